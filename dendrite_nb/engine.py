@@ -1,0 +1,360 @@
+"""The engine: one model, one KV pool and one branch tree for the life of a notebook kernel.
+
+Every public call validates all of its input before it touches the tree, so a bad call raises a
+typed error and leaves the tree, the refcounts and the free blocks exactly as they were. A forward
+that fails (or is interrupted) undoes the appends it made.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .attention import BatchLayout, make_backend
+from .errors import CheckpointError, ContextOverflow, EmptyBranch, OutOfBlocks
+from .kv import AppendRecord, Branch, BranchTree, KVPool
+from .model.config import ModelConfig
+from .model.loader import load_model, random_model, read_config
+from .model.transformer import CausalLM
+from .sampling import SamplingParams, derive_seed, sample
+from .snapshot import block_snapshot, tree_snapshot
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_BUDGET_BYTES = 1 << 30
+CUDA_KV_FRACTION = 0.85  # of the memory free after the weights; the rest is for activations
+
+BranchRef = Branch | str
+TokensLike = str | Sequence[int]
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Any | None, *, device: str | torch.device = "cpu",
+                 kv_dtype: str | torch.dtype | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 attention: str = "torch", seed: int = 0, debug: bool = False, prefill_chunk_tokens: int = 512):
+        self.model, self.tokenizer, self.config = model, tokenizer, model.config
+        self.device = torch.device(device)
+        self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = parse_dtype(kv_dtype) if kv_dtype is not None else self.dtype
+        self.backend = make_backend(attention)
+        if prefill_chunk_tokens <= 0:
+            raise ValueError(f"prefill_chunk_tokens must be positive, got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(block_size)
+        self.pool = KVPool(num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
+                           head_dim=self.config.head_dim, num_blocks=num_blocks, block_size=block_size,
+                           dtype=self.kv_dtype, device=self.device, canaries=debug)
+        self._kv_layers = self.pool.layers()
+        self.branch_tree = BranchTree(self.pool.allocator, block_size)
+        self.seed = seed
+        eos = set(self.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                        **options: Any) -> Engine:
+        """Load an HF folder: config.json, safetensors weights (single or sharded) and the tokenizer.
+
+        Options: kv_dtype, block_size (tokens per KV block), num_blocks (pool size; default fits the
+        device), attention ("torch"), seed (base of per-branch seeds), debug (KV canaries),
+        prefill_chunk_tokens.
+        """
+        from transformers import AutoTokenizer
+
+        folder = Path(path).expanduser()
+        config, _ = read_config(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"cannot load a tokenizer from {str(folder)!r} ({error}); "
+                                  f"the folder needs tokenizer.json and tokenizer_config.json.") from error
+        model = load_model(folder, config, torch.device(device), parse_dtype(dtype))
+        return cls(model, tokenizer, device=device, **options)
+
+    @classmethod
+    def from_random(cls, hf_config: dict[str, Any], device: str = "cpu", dtype: str | torch.dtype = "float32",
+                    weight_seed: int = 0, **options: Any) -> Engine:
+        """Random weights for an HF config dict, built in memory; token ids only (no tokenizer)."""
+        config = ModelConfig.from_hf(hf_config)
+        model = random_model(config, torch.device(device), parse_dtype(dtype), weight_seed)
+        return cls(model, None, device=device, **options)
+
+    def _default_num_blocks(self, block_size: int) -> int:
+        bytes_per_block = self.config.kv_bytes_per_token * block_size * torch.finfo(self.kv_dtype).bits // 8
+        if self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free_bytes * CUDA_KV_FRACTION)
+        else:  # room for eight full contexts, within a budget a laptop can spare
+            budget = min(CPU_KV_BUDGET_BYTES, 8 * self.config.max_position_embeddings * bytes_per_block // block_size)
+        return max(1, budget // bytes_per_block)
+
+    # ---- text ---------------------------------------------------------------------------------
+    def _tokens(self, content: TokensLike, at_start: bool) -> list[int]:
+        if isinstance(content, str):
+            if self.tokenizer is None:
+                raise TypeError("this engine has no tokenizer (built from random weights); pass token ids.")
+            return self.tokenizer.encode(content, add_special_tokens=at_start)
+        if isinstance(content, torch.Tensor):
+            content = content.flatten().tolist()
+        tokens = list(content)
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is not an int in [0, {self.config.vocab_size}) (the vocabulary).")
+        return tokens
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise TypeError("this engine has no tokenizer (built from random weights).")
+        return self.tokenizer.decode(list(tokens))
+
+    def text(self, branch: BranchRef) -> str:
+        """The branch's whole text, from the root."""
+        return self.decode(self.branch_tree.resolve(branch).tokens)
+
+    def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the checkpoint's chat template (from tokenizer_config.json)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this checkpoint has no chat template in tokenizer_config.json.")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    # ---- the branch API -----------------------------------------------------------------------
+    def new_branch(self, name: str, prompt: TokensLike | None = None, *, seed: int | None = None) -> Branch:
+        """A new branch from the empty root, prefilled with `prompt` (text gets the tokenizer's BOS)."""
+        self.branch_tree.check_new_names([name])
+        tokens = self._tokens(prompt, at_start=True) if prompt is not None else []
+        self._check_context(name, 0, len(tokens))
+        branch = self.branch_tree.add_branch(name, seed=derive_seed(self.seed, name) if seed is None else seed)
+        try:
+            if tokens:
+                self._prefill([(branch, tokens)])
+        except BaseException:
+            self.branch_tree.prune(branch)
+            raise
+        return branch
+
+    def append(self, branch: BranchRef, content: TokensLike) -> Branch:
+        """Prefill text or token ids onto the end of a branch (one forward per chunk)."""
+        return self.append_many([(branch, content)])[0]
+
+    def append_many(self, items: Iterable[tuple[BranchRef, TokensLike]]) -> list[Branch]:
+        """Prefill several branches together, in shared forwards; all or nothing."""
+        pairs = []
+        for ref, content in items:
+            branch = self.branch_tree.resolve(ref)
+            pairs.append((branch, self._tokens(content, at_start=len(branch) == 0)))
+        self._check_unique([b for b, _ in pairs])
+        for branch, tokens in pairs:
+            self._check_context(branch.name, len(branch), len(tokens))
+        self._prefill([(b, t) for b, t in pairs if t])
+        return [b for b, _ in pairs]
+
+    def fork(self, branch: BranchRef, n: int | None = None, *, names: Sequence[str] | None = None) -> list[Branch]:
+        """New branches at the same node: O(1) in context length; no KV block is touched."""
+        parent = self.branch_tree.resolve(branch)
+        if names is None:
+            if not isinstance(n, int) or n <= 0:
+                raise ValueError(f"fork needs n >= 1 or names=[...], got n={n!r}.")
+            names = self._child_names(parent.name, n)
+        elif n is not None and n != len(names):
+            raise ValueError(f"fork got n={n} and {len(names)} names; give one or the other.")
+        names = list(names)
+        if not names:
+            raise ValueError("fork needs at least one name.")
+        return self.branch_tree.fork(parent, names, [derive_seed(parent.seed, name) for name in names])
+
+    def _child_names(self, parent: str, count: int) -> list[str]:
+        names, index = [], 0
+        while len(names) < count:
+            if f"{parent}/{index}" not in self.branch_tree.branches:
+                names.append(f"{parent}/{index}")
+            index += 1
+        return names
+
+    def prune(self, *branches: BranchRef | Sequence[BranchRef]) -> int:
+        """Remove branches; frees the blocks nothing else reaches. Returns how many blocks were freed."""
+        flat = [b for item in branches for b in (item if isinstance(item, (list, tuple)) else [item])]
+        resolved = [self.branch_tree.resolve(b) for b in flat]
+        self._check_unique(resolved)
+        return sum(len(self.branch_tree.prune(b)) for b in resolved)
+
+    def next_logits(self, branches: BranchRef | Sequence[BranchRef]) -> torch.Tensor:
+        """float32 logits [B, vocab] for the token after each branch's end; appends nothing."""
+        resolved = self._resolve_list(branches)
+        for branch in resolved:
+            self._check_not_empty(branch)
+        return self.model.logits(torch.stack([b.node.last_hidden for b in resolved]))
+
+    def generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int = 32,
+                 sampling: SamplingParams | None = None) -> list[list[int]]:
+        """Decode all given leaves together, one batched forward per step. Returns the new tokens per branch.
+
+        A branch stops at EOS (unless sampling.ignore_eos), at a stop string (the token that completes
+        it is kept), or after max_new_tokens. Sampled tokens are appended to the branches.
+        """
+        resolved = self._resolve_list(branches)
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none.")
+        for branch in resolved:
+            self._check_not_empty(branch)
+            self._check_context(branch.name, len(branch), max_new_tokens)
+        self._check_blocks([(b, max_new_tokens) for b in resolved], f"generating {max_new_tokens:,} tokens "
+                           f"on {len(resolved)} branch{'es' if len(resolved) > 1 else ''}")
+        generators = [self._generator(b, sampling.seed) for b in resolved]
+        stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
+        outputs: list[list[int]] = [[] for _ in resolved]
+        active = list(range(len(resolved)))
+        logits = self.next_logits(resolved)
+        for step in range(max_new_tokens):
+            histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
+                         if sampling.repetition_penalty != 1.0 else None)
+            drawn = sample(logits, sampling, [generators[i] for i in active], histories).tolist()
+            still_active = []
+            for i, token in zip(active, drawn):
+                outputs[i].append(token)
+                if not self._finished(outputs[i], sampling, stop_window):
+                    still_active.append(i)
+            self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
+            active = still_active
+            if not active or step == max_new_tokens - 1:
+                break
+            logits = self.next_logits([resolved[i] for i in active])
+        return outputs
+
+    def _finished(self, generated: list[int], sampling: SamplingParams, stop_window: int) -> bool:
+        if generated[-1] in self.eos_token_ids and not sampling.ignore_eos:
+            return True
+        if stop_window:  # each token is at least one byte, so this window holds any stop string just completed
+            tail = self.decode(generated[-stop_window:])
+            return any(stop in tail for stop in sampling.stop)
+        return False
+
+    def _generator(self, branch: Branch, call_seed: int | None) -> torch.Generator:
+        if branch.generator is None or call_seed is not None:
+            seed = branch.seed if call_seed is None else derive_seed(call_seed, branch.name)
+            branch.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return branch.generator
+
+    # ---- checks (raise before anything changes) -----------------------------------------------
+    def _resolve_list(self, branches: BranchRef | Sequence[BranchRef]) -> list[Branch]:
+        items = [branches] if isinstance(branches, (Branch, str)) else list(branches)
+        if not items:
+            raise ValueError("no branches given.")
+        resolved = [self.branch_tree.resolve(b) for b in items]
+        self._check_unique(resolved)
+        return resolved
+
+    @staticmethod
+    def _check_unique(branches: list[Branch]) -> None:
+        names = [b.name for b in branches]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"branch {dup!r} is listed twice; list each branch once.")
+
+    @staticmethod
+    def _check_not_empty(branch: Branch) -> None:
+        if branch.node.last_hidden is None:
+            raise EmptyBranch(f"branch {branch.name!r} has no tokens yet; append a prompt first.")
+
+    def _check_context(self, name: str, have: int, adding: int) -> None:
+        limit = self.config.max_position_embeddings
+        if have + adding > limit:
+            raise ContextOverflow(f"ContextOverflow: branch {name!r} needs {have + adding:,} tokens "
+                                  f"({have:,} + {adding:,}), the model allows {limit:,}.")
+
+    def _check_blocks(self, growth: list[tuple[Branch, int]], what: str) -> None:
+        needed = sum(self.branch_tree.blocks_needed(b, n) for b, n in growth)
+        if needed > self.num_free_blocks:
+            raise OutOfBlocks(needed, self.num_free_blocks, what)
+
+    # ---- the forward --------------------------------------------------------------------------
+    def _prefill(self, pairs: list[tuple[Branch, list[int]]]) -> None:
+        """Write every token's KV, at most prefill_chunk_tokens per forward (but every branch's next
+        token fits one forward, so a decode step is always one forward). All or nothing."""
+        if not pairs:
+            return
+        total = sum(len(t) for _, t in pairs)
+        self._check_blocks([(b, len(t)) for b, t in pairs], f"appending {total:,} tokens")
+        budget_per_forward = max(self.prefill_chunk_tokens, len(pairs))
+        done = [0] * len(pairs)
+        records: list[AppendRecord] = []
+        try:
+            while any(d < len(t) for d, (_, t) in zip(done, pairs)):
+                budget, chunk = budget_per_forward, []
+                for i, (branch, tokens) in enumerate(pairs):
+                    take = min(len(tokens) - done[i], budget)
+                    if take <= 0:
+                        continue
+                    piece = tokens[done[i]: done[i] + take]
+                    chunk.append((self.branch_tree.append(branch, piece), piece))
+                    records.append(chunk[-1][0])
+                    done[i] += take
+                    budget -= take
+                self._forward(chunk)
+        except BaseException:
+            for record in reversed(records):
+                self.branch_tree.undo(record)
+            raise
+
+    def _forward(self, chunk: list[tuple[AppendRecord, list[int]]]) -> None:
+        layout = BatchLayout(
+            q_lens=[len(tokens) for _, tokens in chunk],
+            kv_lens=[record.node.end for record, _ in chunk],
+            block_tables=[self.branch_tree.block_table(record.node) for record, _ in chunk],
+        )
+        for record, _ in chunk:
+            if record.cow is not None:
+                self.pool.copy_block(*record.cow)
+        plan = self.backend.plan(layout, self.pool.block_size, self.device)
+        input_ids = torch.tensor([t for _, tokens in chunk for t in tokens], dtype=torch.long, device=self.device)
+        positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, self._kv_layers, self.backend, plan)  # [T, hidden]
+        last_index = torch.tensor(layout.q_lens, device=self.device).cumsum(0) - 1
+        for (record, _), last in zip(chunk, hidden[last_index]):
+            record.node.last_hidden = last
+
+    # ---- state --------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.allocator.num_free
+
+    @property
+    def branches(self) -> dict[str, Branch]:
+        return dict(self.branch_tree.branches)
+
+    def branch(self, name: str) -> Branch:
+        return self.branch_tree.resolve(name)
+
+    def tree(self) -> dict[str, Any]:
+        """Plain-data snapshot of nodes (tokens, blocks, children, branch names) and branches."""
+        return tree_snapshot(self.branch_tree)
+
+    def block_table(self) -> dict[str, Any]:
+        """Plain-data snapshot of the pool: every block in use (owner, refcount, readers), each branch's table."""
+        return block_snapshot(self.branch_tree)
+
+    def audit(self) -> None:
+        """Check refcounts, the free list, node invariants and (in debug mode) the canaries."""
+        self.branch_tree.audit()
+        self.pool.verify_free_blocks()
+
+    def __repr__(self) -> str:
+        used = self.pool.num_blocks - self.num_free_blocks
+        return (f"Engine({self.config.describe()}, {self.device.type} {str(self.dtype).removeprefix('torch.')}, "
+                f"{len(self.branch_tree.branches)} branches, {used:,}/{self.pool.num_blocks:,} KV blocks used)")

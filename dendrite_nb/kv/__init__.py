@@ -1,0 +1,6 @@
+"""The paged, branching KV cache: block allocator, KV pool, node/branch tree."""
+from .allocator import BlockAllocator
+from .pool import KVPool
+from .tree import AppendRecord, Branch, BranchTree, Node
+
+__all__ = ["AppendRecord", "BlockAllocator", "Branch", "BranchTree", "KVPool", "Node"]

@@ -1,0 +1,250 @@
+"""Git for KV: immutable-once-shared token runs (nodes) and movable names (branches).
+
+Plain Python, no torch: the engine moves tensors, this module decides which blocks hold which tokens.
+
+- A node holds a run of tokens at positions [start, end) and the physical blocks for logical block
+  indices start // block_size onward. When `start` is not block-aligned, the node's first block is a
+  copy of its parent's partially filled tail block (copy-on-write at block granularity).
+- A leaf's block table is its ancestors' tables with each child's blocks laid over the parent's tail.
+- A node with children is frozen. A branch extends its node in place only when it is the node's sole
+  name and the node is a leaf; otherwise an append creates a child and moves the branch onto it.
+- Fork adds names to a node: O(1) in context length, no block touched.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ..errors import BranchExists, BranchPruned, UnknownBranch
+from .allocator import BlockAllocator
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    id: int
+    parent: Node | None
+    start: int  # sequence position of this node's first token
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    children: list[Node] = field(default_factory=list)
+    branch_names: set[str] = field(default_factory=set)
+    last_hidden: Any = None  # engine payload: the final hidden state after this node's last token
+    # Ancestors-inclusive tokens and block table, kept only while frozen (a frozen node never changes).
+    path_cache: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+class Branch:
+    """A named, movable pointer to a node. Handles go stale when the branch is pruned."""
+
+    __slots__ = ("name", "node", "seed", "generator", "_tree")
+
+    def __init__(self, name: str, node: Node, tree: BranchTree, seed: int = 0):
+        self.name, self.node, self._tree, self.seed = name, node, tree, seed
+        self.generator = None  # engine-owned sampling generator, created on first use
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tree.path_tokens(self.node))
+
+    def __len__(self) -> int:
+        return self.node.end
+
+    def __repr__(self) -> str:
+        alive = self._tree.branches.get(self.name) is self
+        return f"Branch({self.name!r}, {self.node.end:,} tokens{'' if alive else ', pruned'})"
+
+
+@dataclass(slots=True)
+class AppendRecord:
+    """What one append did, so the engine can write the KV and, if the forward fails, undo it."""
+
+    branch: Branch
+    from_node: Node  # the branch's node before the append
+    node: Node  # the node the tokens went into
+    created: bool  # node is a new child (else from_node was extended in place)
+    old_num_tokens: int
+    old_num_blocks: int
+    cow: tuple[int, int] | None  # (src, dst) block to copy before writing, or None
+    old_last_hidden: Any = None  # restored on undo of an in-place extension
+
+    @property
+    def positions(self) -> range:
+        return range(self.node.start + self.old_num_tokens, self.node.end)
+
+
+class BranchTree:
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        self.allocator, self.block_size = allocator, block_size
+        self._next_node_id = 1
+        self.root = Node(id=0, parent=None, start=0)
+        self.branches: dict[str, Branch] = {}
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def resolve(self, branch: Branch | str) -> Branch:
+        if isinstance(branch, Branch):
+            if self.branches.get(branch.name) is not branch:
+                raise BranchPruned(f"branch {branch.name!r} was pruned; fork a live branch or create a new one.")
+            return branch
+        if not isinstance(branch, str):
+            raise TypeError(f"expected a Branch or a branch name, got {type(branch).__name__}")
+        found = self.branches.get(branch)
+        if found is None:
+            names = ", ".join(sorted(self.branches)[:20]) or "none yet"
+            raise UnknownBranch(f"no branch named {branch!r} (branches: {names}); create it with new_branch or fork.")
+        return found
+
+    def check_new_names(self, names: list[str]) -> None:
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"a branch name must be a non-empty string, got {name!r}")
+        taken = [n for n in names if n in self.branches]
+        if taken:
+            raise BranchExists(f"branch {taken[0]!r} already exists; pick another name or prune it first.")
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise BranchExists(f"name {dup!r} appears twice in one call; branch names must be unique.")
+
+    # ---- mutation -----------------------------------------------------------------------------
+    def add_branch(self, name: str, node: Node | None = None, seed: int = 0) -> Branch:
+        self.check_new_names([name])
+        node = node or self.root
+        branch = Branch(name, node, self, seed)
+        node.branch_names.add(name)
+        self.branches[name] = branch
+        return branch
+
+    def _extends_in_place(self, branch: Branch) -> bool:
+        node = branch.node
+        return node is not self.root and not node.children and node.branch_names == {branch.name}
+
+    def blocks_needed(self, branch: Branch, num_tokens: int) -> int:
+        """Free blocks an append of `num_tokens` would take (copy-on-write copy included)."""
+        node, size = branch.node, self.block_size
+        if self._extends_in_place(branch):
+            covered = node.start // size + len(node.blocks)
+            return max(0, _ceil_div(node.end + num_tokens, size) - covered)
+        return _ceil_div(node.end + num_tokens, size) - node.end // size
+
+    def append(self, branch: Branch, tokens: list[int]) -> AppendRecord:
+        """Put `tokens` on the branch; allocates blocks. Raises OutOfBlocks before changing anything."""
+        node, size = branch.node, self.block_size
+        needed = self.blocks_needed(branch, len(tokens))
+        new_blocks = self.allocator.allocate(needed, what=f"appending {len(tokens):,} tokens to {branch.name!r}")
+        if self._extends_in_place(branch):
+            record = AppendRecord(branch, node, node, False, len(node.tokens), len(node.blocks), None, node.last_hidden)
+            node.tokens.extend(tokens)
+            node.blocks.extend(new_blocks)
+            return record
+        start = node.end
+        cow = (self.block_table(node)[start // size], new_blocks[0]) if start % size else None
+        child = Node(id=self._next_node_id, parent=node, start=start, tokens=list(tokens), blocks=new_blocks)
+        self._next_node_id += 1
+        node.children.append(child)
+        self._move(branch, child)
+        return AppendRecord(branch, node, child, True, 0, 0, cow)
+
+    def undo(self, record: AppendRecord) -> None:
+        """Revert one append (call in reverse order for a batch). The KV written is simply dropped."""
+        node = record.node
+        if record.created:
+            self._move(record.branch, record.from_node)
+            self._detach(node)
+        else:
+            dropped = node.blocks[record.old_num_blocks:]
+            del node.tokens[record.old_num_tokens:]
+            del node.blocks[record.old_num_blocks:]
+            node.last_hidden = record.old_last_hidden
+            self.allocator.decref(dropped)
+
+    def fork(self, branch: Branch, names: list[str], seeds: list[int]) -> list[Branch]:
+        """New names on the branch's node: O(1) in context length."""
+        self.check_new_names(names)
+        return [self.add_branch(name, branch.node, seed) for name, seed in zip(names, seeds)]
+
+    def prune(self, branch: Branch) -> list[int]:
+        """Remove the name; collect nodes nothing reaches. Returns the blocks that were freed."""
+        del self.branches[branch.name]
+        branch.node.branch_names.discard(branch.name)
+        freed: list[int] = []
+        node = branch.node
+        while node is not self.root and not node.branch_names and not node.children:
+            parent = node.parent
+            freed += self._detach(node)
+            node = parent
+        return freed
+
+    def _move(self, branch: Branch, node: Node) -> None:
+        branch.node.branch_names.discard(branch.name)
+        node.branch_names.add(branch.name)
+        branch.node = node
+
+    def _detach(self, node: Node) -> list[int]:
+        parent = node.parent
+        parent.children.remove(node)
+        if not parent.children:
+            parent.path_cache.clear()  # a leaf again: it may be extended, so its paths may change
+        freed = self.allocator.decref(node.blocks)
+        node.blocks, node.parent, node.last_hidden = [], None, None
+        return freed
+
+    # ---- derived views ------------------------------------------------------------------------
+    def _path(self, node: Node, key: str) -> list[int]:
+        chain = []
+        while node is not self.root and key not in node.path_cache:
+            chain.append(node)
+            node = node.parent
+        acc: list[int] = [] if node is self.root else node.path_cache[key]
+        for node in reversed(chain):
+            if key == "tokens":
+                acc = acc + node.tokens
+            else:  # the block table: the child's first block replaces the parent's partial tail
+                acc = acc[: node.start // self.block_size] + node.blocks
+            if node.children:
+                node.path_cache[key] = acc
+        return acc
+
+    def path_tokens(self, node: Node) -> list[int]:
+        """All tokens from the root to the end of `node`. Do not mutate the result."""
+        return self._path(node, "tokens")
+
+    def block_table(self, node: Node) -> list[int]:
+        """Physical block per logical block index for the sequence ending at `node`. Do not mutate."""
+        return self._path(node, "table")
+
+    def nodes(self) -> Iterator[Node]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children))
+
+    def audit(self) -> None:
+        """Check every invariant of the tree and the pool; raises AssertionError naming the first failures."""
+        held: Counter[int] = Counter()
+        problems = []
+        for node in self.nodes():
+            held.update(node.blocks)
+            if node is self.root:
+                continue
+            expected = _ceil_div(node.end, self.block_size) - node.start // self.block_size
+            if len(node.blocks) != expected:
+                problems.append(f"node {node.id} holds {len(node.blocks)} blocks for {len(node.tokens)} tokens")
+            if node.start != node.parent.end:
+                problems.append(f"node {node.id} starts at {node.start}, its parent ends at {node.parent.end}")
+            if not node.branch_names and not node.children:
+                problems.append(f"node {node.id} is unreachable but was not collected")
+        for name, branch in self.branches.items():
+            if name not in branch.node.branch_names or (branch.node is not self.root and branch.node.parent is None):
+                problems.append(f"branch {name!r} points at a detached node")
+        if problems:
+            raise AssertionError("tree audit failed: " + "; ".join(problems[:10]))
+        self.allocator.audit(held)

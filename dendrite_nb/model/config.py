@@ -1,0 +1,83 @@
+"""The model shape, read from an HF `config.json` (transformers 4.x and 5.x spellings both)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UnsupportedModel
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_type: str  # "llama" or "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # llama3 scaling parameters, or None for plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3 normalises q and k per head before RoPE
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"model_type {model_type!r} is not supported; dendrite-nb runs {', '.join(SUPPORTED_MODEL_TYPES)} "
+                f"(Llama 3 and Qwen3 checkpoints)."
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported; only silu (SwiGLU) is.")
+        if raw.get("use_sliding_window"):
+            raise UnsupportedModel("sliding-window attention (use_sliding_window=true) is not supported.")
+        # transformers 5 writes `rope_parameters`; 4.x checkpoints carry `rope_theta` + `rope_scaling`.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModel(f"rope type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}.")
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, at one byte per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def describe(self) -> str:
+        return (f"{self.model_type} {self.num_layers}L h{self.hidden_size} "
+                f"{self.num_heads}q/{self.num_kv_heads}kv heads x{self.head_dim}")

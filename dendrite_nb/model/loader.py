@@ -1,0 +1,107 @@
+"""Build a CausalLM from an HF folder (config.json + safetensors, single file or sharded), or with random weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError
+from .config import ModelConfig
+from .transformer import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+# Older exports save the RoPE table; it is derived state, never a weight.
+_DERIVED = ".rotary_emb.inv_freq"
+
+
+def read_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist.")
+    if not path.is_file():
+        raise CheckpointError(f"{str(folder)!r} has no config.json; expected an HF model folder "
+                              f"(config.json, {SINGLE_FILE} or {SHARD_INDEX}, tokenizer files).")
+    raw = json.loads(path.read_text())
+    generation = folder / "generation_config.json"
+    if generation.is_file():  # instruct checkpoints list their extra end tokens here
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        if eos is not None:
+            extra = eos if isinstance(eos, list) else [eos]
+            base = raw.get("eos_token_id")
+            base = base if isinstance(base, list) else ([] if base is None else [base])
+            raw = {**raw, "eos_token_id": list(dict.fromkeys(base + extra))}
+    return ModelConfig.from_hf(raw), raw
+
+
+def weight_files(folder: Path) -> dict[str, list[str]]:
+    """safetensors file -> tensor names it should hold."""
+    if (folder / SHARD_INDEX).is_file():
+        weight_map: dict[str, str] = json.loads((folder / SHARD_INDEX).read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{SHARD_INDEX} in {str(folder)!r} lists shard {missing[0]!r}, which is missing.")
+        return files
+    if (folder / SINGLE_FILE).is_file():
+        with safe_open(folder / SINGLE_FILE, framework="pt") as f:
+            return {SINGLE_FILE: list(f.keys())}
+    raise CheckpointError(f"{str(folder)!r} has no {SINGLE_FILE} nor {SHARD_INDEX}; "
+                          f"dendrite-nb reads safetensors weights only.")
+
+
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(config).to(dtype)  # cast while on meta: no memory is touched yet
+    model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty replaces meta parameters one by one, which unties them
+    model.materialize(device)
+    return model.eval()
+
+
+def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    model = _empty_model(config, device, dtype)
+    params = dict(model.named_parameters())  # tied weights appear once, under model.embed_tokens
+    files = weight_files(folder)
+    on_disk = {name for names in files.values() for name in names if not name.endswith(_DERIVED)}
+    tied_head = config.tie_word_embeddings and "lm_head.weight" in on_disk
+    unexpected = sorted(on_disk - params.keys() - ({"lm_head.weight"} if tied_head else set()))
+    missing = sorted(params.keys() - on_disk)
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append(f"missing tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected tensor(s) {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+        raise CheckpointError(f"weights in {str(folder)!r} do not match config.json ({config.describe()}): "
+                              + "; ".join(parts) + ".")
+    for file, names in files.items():
+        with safe_open(folder / file, framework="pt") as f:
+            for name in names:
+                if name.endswith(_DERIVED) or (tied_head and name == "lm_head.weight"):
+                    continue
+                tensor, param = f.get_tensor(name), params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise CheckpointError(f"tensor {name} in {file} has shape {tuple(tensor.shape)}, "
+                                          f"config.json implies {tuple(param.shape)}.")
+                with torch.no_grad():
+                    param.copy_(tensor)
+    return model
+
+
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """Random weights in memory, for speed work on real shapes (speed depends on shapes, not values)."""
+    model = _empty_model(config, device, dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model

@@ -1,0 +1,84 @@
+"""Sampling parameters and a batched sampler with one generator per branch.
+
+Each row draws its noise from its own branch's generator, so a branch's tokens do not depend on what
+else is in the batch. Sampling uses the exponential race (argmax of p / Exp(1)), which needs no
+device-to-host sync per row; the caller syncs once per step to read the tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0  # nucleus mass kept; 1 means no cut
+    repetition_penalty: float = 1.0  # HF semantics over the branch's whole context; 1 means off
+    stop: tuple[str, ...] = ()  # stop once generated text contains any of these (the token is kept)
+    seed: int | None = None  # reseed every branch of the call from (seed, branch name)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        problems = []
+        if not self.temperature >= 0:
+            problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+        if problems:
+            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def derive_seed(base: int, name: str) -> int:
+    """A stable 63-bit seed from a base seed and a branch name (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(f"{base}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def apply_repetition_penalty(logits: torch.Tensor, histories: list[list[int]], penalty: float) -> torch.Tensor:
+    """Divide positive logits and multiply negative ones of tokens already in each row's history."""
+    for row, history in enumerate(histories):
+        seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
+        scores = logits[row, seen]
+        logits[row, seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator],
+           histories: list[list[int]] | None = None) -> torch.Tensor:
+    """logits [B, vocab] float32 -> token ids [B] (on the logits' device)."""
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0 and histories is not None:
+        logits = apply_repetition_penalty(logits, histories, params.repetition_penalty)
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,159 @@
+"""The allocator and the branch tree on their own: plain Python, no model, milliseconds."""
+import pytest
+
+from dendrite_nb.errors import BranchExists, BranchPruned, OutOfBlocks, UnknownBranch
+from dendrite_nb.kv import BlockAllocator, BranchTree
+
+BLOCK = 4
+
+
+def make_tree(num_blocks=32):
+    return BranchTree(BlockAllocator(num_blocks), BLOCK)
+
+
+def state(tree):
+    nodes = [(n.id, n.start, tuple(n.tokens), tuple(n.blocks), tuple(sorted(n.branch_names))) for n in tree.nodes()]
+    return nodes, tree.allocator.num_free, tuple(sorted(tree.branches))
+
+
+def test_allocator_refcounts_and_free_list():
+    alloc = BlockAllocator(4)
+    ids = alloc.allocate(3)
+    assert alloc.num_free == 1 and all(alloc.refcount(i) == 1 for i in ids)
+    alloc.incref(ids[0])
+    assert alloc.decref([ids[0]]) == [] and alloc.refcount(ids[0]) == 1
+    assert alloc.decref(ids) == ids and alloc.num_free == 4
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.decref([ids[0]])
+
+
+def test_allocator_out_of_blocks_changes_nothing():
+    alloc = BlockAllocator(4)
+    alloc.allocate(3)
+    with pytest.raises(OutOfBlocks, match="needs 2 free KV blocks, the pool has 1"):
+        alloc.allocate(2)
+    assert alloc.num_free == 1
+
+
+def test_audit_catches_a_leak():
+    tree = make_tree()
+    tree.allocator.allocate(1)  # held by no node
+    with pytest.raises(AssertionError, match="refcount 1, held 0"):
+        tree.audit()
+
+
+def test_sole_owner_extends_in_place_and_fork_is_pointer_only():
+    tree = make_tree()
+    a = tree.add_branch("a")
+    tree.append(a, [1, 2, 3])
+    node = a.node
+    tree.append(a, [4, 5, 6])
+    assert a.node is node and node.tokens == [1, 2, 3, 4, 5, 6] and len(node.blocks) == 2
+    before = state(tree)
+    kids = tree.fork(a, ["x", "y"], [0, 0])
+    nodes, free, _ = state(tree)
+    assert free == before[1]
+    assert [k.node for k in kids] == [node, node]
+    assert [n[:4] for n in nodes] == [n[:4] for n in before[0]]  # no node, token or block changed
+    tree.audit()
+
+
+def test_append_after_fork_creates_children_with_copy_on_write_of_partial_tail():
+    tree = make_tree()
+    a = tree.add_branch("a")
+    tree.append(a, [1, 2, 3, 4, 5, 6])  # blocks: [full, half]
+    parent = a.node
+    x, y = tree.fork(a, ["x", "y"], [0, 0])
+    rec_x = tree.append(x, [7])
+    rec_y = tree.append(y, [8, 9, 10])
+    assert rec_x.created and rec_y.created and parent.children == [x.node, y.node]
+    tail = parent.blocks[1]
+    assert rec_x.cow == (tail, x.node.blocks[0]) and rec_y.cow == (tail, y.node.blocks[0])
+    assert tree.block_table(x.node) == [parent.blocks[0], x.node.blocks[0]]
+    assert tree.block_table(y.node) == [parent.blocks[0], y.node.blocks[0], y.node.blocks[1]]
+    assert tree.path_tokens(y.node) == [1, 2, 3, 4, 5, 6, 8, 9, 10]
+    # a is not a sole owner any more (its node has children): its next append is a child too
+    rec_a = tree.append(a, [11])
+    assert rec_a.created and a.node.parent is parent
+    tree.audit()
+
+
+def test_aligned_fork_needs_no_copy():
+    tree = make_tree()
+    a = tree.add_branch("a")
+    tree.append(a, [1, 2, 3, 4])
+    (x,) = tree.fork(a, ["x"], [0])
+    record = tree.append(x, [5])
+    assert record.cow is None and tree.block_table(x.node) == a.node.blocks + x.node.blocks
+
+
+def test_prune_frees_exactly_what_nothing_reaches():
+    tree = make_tree()
+    a = tree.add_branch("a")
+    tree.append(a, [1, 2, 3, 4, 5])
+    x, y = tree.fork(a, ["x", "y"], [0, 0])
+    tree.append(x, [6, 7, 8, 9])
+    tree.append(y, [10])
+    shared = list(a.node.blocks)
+    freed = tree.prune(x)
+    assert sorted(freed) == sorted(set(freed)) and not set(freed) & set(shared)
+    tree.prune(a)
+    assert all(tree.allocator.refcount(b) == 1 for b in shared)  # y still reads them
+    tree.prune(y)
+    assert tree.allocator.num_free == 32 and tree.root.children == []
+    tree.audit()
+
+
+def test_a_leaf_again_after_its_children_go_can_be_extended_in_place():
+    tree = make_tree()
+    a = tree.add_branch("a")
+    tree.append(a, [1, 2, 3])
+    (x,) = tree.fork(a, ["x"], [0])
+    tree.append(x, [4])
+    tree.prune(x)
+    node = a.node
+    record = tree.append(a, [5])
+    assert not record.created and a.node is node and tree.path_tokens(node) == [1, 2, 3, 5]
+    tree.audit()
+
+
+def test_undo_restores_everything():
+    tree = make_tree()
+    a = tree.add_branch("a")
+    tree.append(a, [1, 2, 3, 4, 5])
+    (x,) = tree.fork(a, ["x"], [0])
+    before = state(tree)
+    records = [tree.append(x, [6, 7, 8, 9, 10]), tree.append(a, [11])]
+    for record in reversed(records):
+        tree.undo(record)
+    assert state(tree) == before
+    extend_before = state(tree)
+    tree.undo(tree.append(tree.add_branch("solo"), [1, 2]))
+    tree.prune(tree.branches["solo"])
+    assert state(tree) == extend_before
+    tree.audit()
+
+
+def test_out_of_blocks_append_changes_nothing():
+    tree = make_tree(num_blocks=3)
+    a = tree.add_branch("a")
+    tree.append(a, [1] * 10)  # 3 blocks
+    before = state(tree)
+    with pytest.raises(OutOfBlocks):
+        tree.append(a, [2] * 3)
+    assert state(tree) == before
+
+
+def test_names_are_checked():
+    tree = make_tree()
+    a = tree.add_branch("a")
+    with pytest.raises(BranchExists):
+        tree.fork(a, ["a"], [0])
+    with pytest.raises(BranchExists, match="twice"):
+        tree.fork(a, ["b", "b"], [0, 0])
+    with pytest.raises(UnknownBranch, match="no branch named 'zz'"):
+        tree.resolve("zz")
+    tree.prune(a)
+    with pytest.raises(BranchPruned):
+        tree.resolve(a)
+    assert "pruned" in repr(a)
