@@ -169,6 +169,8 @@ class Engine:
             if not isinstance(n, int) or n <= 0:
                 raise ValueError(f"fork needs n >= 1 or names=[...], got n={n!r}.")
             names = self._child_names(parent.name, n)
+        elif isinstance(names, str):
+            raise TypeError(f"names must be a list of names, got the string {names!r}.")
         elif n is not None and n != len(names):
             raise ValueError(f"fork got n={n} and {len(names)} names; give one or the other.")
         names = list(names)
@@ -290,7 +292,8 @@ class Engine:
         if not pairs:
             return
         total = sum(len(t) for _, t in pairs)
-        self._check_blocks([(b, len(t)) for b, t in pairs], f"appending {total:,} tokens")
+        where = f"branch {pairs[0][0].name!r}" if len(pairs) == 1 else f"{len(pairs)} branches"
+        self._check_blocks([(b, len(t)) for b, t in pairs], f"appending {total:,} tokens to {where}")
         budget_per_forward = max(self.prefill_chunk_tokens, len(pairs))
         done = [0] * len(pairs)
         records: list[AppendRecord] = []

@@ -58,6 +58,9 @@ class Branch:
     def __len__(self) -> int:
         return self.node.end
 
+    def __bool__(self) -> bool:  # a handle is truthy even when the branch is still empty
+        return True
+
     def __repr__(self) -> str:
         alive = self._tree.branches.get(self.name) is self
         return f"Branch({self.name!r}, {self.node.end:,} tokens{'' if alive else ', pruned'})"

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny HF checkpoints written once per test session, and engine/state helpers."""
+import pytest
+import torch
+
+from dendrite_nb import Engine
+from dendrite_nb.testing import TINY_SHAPES, write_tiny_checkpoint
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on a GPU machine with `pytest -m gpu`")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(shape) -> folder of a tiny HF checkpoint (written once per session)."""
+    written = {}
+
+    def get(shape: str = "llama-gqa-untied"):
+        if shape not in written:
+            written[shape] = write_tiny_checkpoint(tmp_path_factory.mktemp(shape), shape)
+        return written[shape]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model(checkpoint):
+    """hf_model(shape) -> the same checkpoint loaded by transformers, float32, eval."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = {}
+
+    def get(shape: str):
+        if shape not in loaded:
+            loaded[shape] = AutoModelForCausalLM.from_pretrained(checkpoint(shape), dtype=torch.float32).eval()
+        return loaded[shape]
+
+    return get
+
+
+@pytest.fixture
+def engine(checkpoint):
+    """A small-pool engine with canaries on, on the default tiny Llama."""
+    return Engine.from_pretrained(checkpoint(), num_blocks=64, block_size=4, debug=True)
+
+
+def engine_state(eng):
+    """Everything a bad call must leave unchanged."""
+    return eng.tree(), eng.block_table(), eng.num_free_blocks
+
+
+ALL_SHAPES = list(TINY_SHAPES)
