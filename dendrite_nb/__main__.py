@@ -1,0 +1,24 @@
+"""Command line: `python -m dendrite_nb demo` runs the demo on the embedded default model."""
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dendrite-nb", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="branch, fork, decode and prune on the embedded tiny model")
+    demo.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    demo.add_argument("--branches", type=int, default=3, help="how many branches to fork (default: 3)")
+    demo.add_argument("--tokens", type=int, default=24, help="new tokens per branch (default: 24)")
+    demo.add_argument("--checkpoint", default=None, help="an HF folder to use instead of the embedded model")
+    args = parser.parse_args(argv)
+    if args.branches < 1 or args.tokens < 1:
+        parser.error("--branches and --tokens must be at least 1")
+    from .demo import run_demo
+
+    run_demo(args.device, args.branches, args.tokens, args.checkpoint)
+
+
+if __name__ == "__main__":
+    main()
