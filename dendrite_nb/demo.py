@@ -10,7 +10,8 @@ import time
 from . import Engine, SamplingParams
 from .testing import demo_checkpoint
 
-PROMPT = "Three ways to cross a river:"
+PROMPT = ("A river blocks the road. The bridge is gone, the water is cold and fast, and the far bank is "
+          "steep. Think of three different ways to get across, then pick the safest one. First idea:")
 
 
 def run_demo(device: str = "cpu", num_branches: int = 3, max_new_tokens: int = 24, checkpoint: str | None = None) -> Engine:
