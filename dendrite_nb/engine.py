@@ -107,7 +107,10 @@ class Engine:
         if isinstance(content, str):
             if self.tokenizer is None:
                 raise TypeError("this engine has no tokenizer (built from random weights); pass token ids.")
-            return self.tokenizer.encode(content, add_special_tokens=at_start)
+            bos = self.tokenizer.bos_token
+            # Chat templates already write BOS; adding another would put two at the start.
+            add_special = at_start and not (bos and content.startswith(bos))
+            return self.tokenizer.encode(content, add_special_tokens=add_special)
         if isinstance(content, torch.Tensor):
             content = content.flatten().tolist()
         tokens = list(content)

@@ -1,0 +1,68 @@
+"""Loading checkpoints: sharded equals single-file, transformers 4.x config spelling, tied heads, chat template."""
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dendrite_nb import Engine
+from dendrite_nb.testing import write_tiny_checkpoint
+
+PROMPT = "Sharded or not, the same numbers"
+
+
+def logits_of(folder):
+    eng = Engine.from_pretrained(folder, num_blocks=32)
+    return eng.next_logits([eng.new_branch("a", PROMPT)])
+
+
+def test_sharded_checkpoint_loads_identically(checkpoint, tmp_path):
+    sharded = write_tiny_checkpoint(tmp_path / "sharded", max_shard_bytes=20_000)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert torch.equal(logits_of(sharded), logits_of(checkpoint()))
+
+
+def test_transformers4_config_spelling_is_read(checkpoint, tmp_path):
+    folder = shutil.copytree(checkpoint(), tmp_path / "legacy")
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope  # {"rope_type": "llama3", "factor": ..., ...} as 4.x checkpoints carry it
+    (folder / "config.json").write_text(json.dumps(config))
+    assert torch.equal(logits_of(folder), logits_of(checkpoint()))
+
+
+def test_tied_checkpoint_may_carry_its_lm_head(checkpoint, tmp_path):
+    folder = shutil.copytree(checkpoint("qwen3-gqa-tied"), tmp_path / "tied")
+    tensors = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, folder / "model.safetensors")
+    assert torch.equal(logits_of(folder), logits_of(checkpoint("qwen3-gqa-tied")))
+
+
+def test_generation_config_adds_end_tokens(checkpoint, tmp_path):
+    folder = shutil.copytree(checkpoint(), tmp_path / "instruct")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    eng = Engine.from_pretrained(folder, num_blocks=8)
+    assert {5, 6} <= eng.eos_token_ids and eng.tokenizer.eos_token_id in eng.eos_token_ids
+
+
+def test_chat_template_and_bos(checkpoint):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=32)
+    text = eng.format_chat([{"role": "user", "content": "hi"}])
+    assert "hi" in text and "<|start_header_id|>" in text
+    branch = eng.new_branch("chat", text)
+    assert branch.tokens[0] == eng.tokenizer.bos_token_id
+    eng.append(branch, "more")
+    assert branch.tokens.count(eng.tokenizer.bos_token_id) == 1  # appends add no BOS
+
+
+def test_random_real_shape_engine_runs_on_token_ids():
+    config = {"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "max_position_embeddings": 256, "tie_word_embeddings": True}
+    eng = Engine.from_random(config, num_blocks=16)
+    branch = eng.new_branch("ids", [1, 2, 3, 4, 5])
+    assert len(eng.generate([branch], 4)[0]) == 4
+    assert eng.next_logits([branch]).shape == (1, 1000)
