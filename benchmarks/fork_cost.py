@@ -108,7 +108,7 @@ def main() -> None:
         engine.prune(branch)
     print(f"\ncomputed, not measured: KV bytes a copy-on-fork would move per fork at {longest:,} tokens, bf16:")
     for name, shape in REAL_SHAPES.items():
-        per_token = ModelConfig.from_hf({"model_type": shape.family, **shape.config}).kv_bytes_per_token * 2
+        per_token = ModelConfig.from_hf(shape.hf_config()).kv_bytes_per_token * 2
         print(f"  {name:>14}: {per_token * longest / 2**30:6.2f} GiB (a dendrite-nb fork: 0 bytes)")
     if len(args.lengths) >= 2:
         short, long = min(args.lengths), max(args.lengths)

@@ -66,3 +66,17 @@ def test_random_real_shape_engine_runs_on_token_ids():
     branch = eng.new_branch("ids", [1, 2, 3, 4, 5])
     assert len(eng.generate([branch], 4)[0]) == 4
     assert eng.next_logits([branch]).shape == (1, 1000)
+
+
+def test_real_shapes_parse_with_their_published_numbers():
+    from dendrite_nb.model.config import ModelConfig
+    from dendrite_nb.testing import REAL_SHAPES
+
+    eight_b = ModelConfig.from_hf(REAL_SHAPES["llama-3.1-8b"].hf_config())
+    assert (eight_b.num_layers, eight_b.num_kv_heads, eight_b.head_dim, eight_b.vocab_size) == (32, 8, 128, 128256)
+    assert eight_b.rope_scaling["factor"] == 8.0 and not eight_b.tie_word_embeddings
+    qwen = ModelConfig.from_hf(REAL_SHAPES["qwen3-0.6b"].hf_config())
+    assert qwen.qk_norm and qwen.tie_word_embeddings and qwen.head_dim * qwen.num_heads != qwen.hidden_size
+    small = Engine.from_random(REAL_SHAPES["llama-3.2-1b"].hf_config(num_hidden_layers=1, vocab_size=512,
+                                                                      intermediate_size=256), num_blocks=8)
+    assert len(small.generate([small.new_branch("x", [1, 2, 3])], 2)[0]) == 2

@@ -31,6 +31,10 @@ class CheckpointShape:
         if self.family not in _CONFIG_CLASSES:
             raise ValueError(f"unknown family {self.family!r}; expected one of {sorted(_CONFIG_CLASSES)}")
 
+    def hf_config(self, **overrides: Any) -> dict[str, Any]:
+        """The config.json dict, e.g. for Engine.from_random(REAL_SHAPES["llama-3.1-8b"].hf_config(), "cuda")."""
+        return {"model_type": self.family, **self.config, **overrides}
+
 
 def _llama3_rope(theta: float, factor: float, original_max: int) -> dict[str, Any]:
     return {
