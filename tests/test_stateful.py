@@ -6,7 +6,6 @@ and a branch's next-token logits equal those of a fresh prefill of its tokens (s
 block reuse never corrupt what a branch reads). Pruning everything returns the pool to full.
 """
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, precondition, rule
