@@ -63,9 +63,8 @@ def apply_repetition_penalty(logits: torch.Tensor, histories: list[list[int]], p
 def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator],
            histories: list[list[int]] | None = None) -> torch.Tensor:
     """logits [B, vocab] float32 -> token ids [B] (on the logits' device)."""
-    logits = logits.clone()
-    if params.repetition_penalty != 1.0 and histories is not None:
-        logits = apply_repetition_penalty(logits, histories, params.repetition_penalty)
+    if params.repetition_penalty != 1.0 and histories is not None:  # the penalty writes in place: copy first
+        logits = apply_repetition_penalty(logits.clone(), histories, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(dim=-1)
     logits = logits / params.temperature

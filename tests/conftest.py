@@ -47,6 +47,15 @@ def engine(checkpoint):
     return Engine.from_pretrained(checkpoint(), num_blocks=64, block_size=4, debug=True)
 
 
+def decode_recording_logits(eng, branch, steps, sampling):
+    """Decode one token at a time; returns the next-token logits seen before each step, [steps, vocab] on CPU."""
+    logits = []
+    for _ in range(steps):
+        logits.append(eng.next_logits([branch])[0].cpu())
+        eng.generate([branch], 1, sampling)
+    return torch.stack(logits)
+
+
 def engine_state(eng):
     """Everything a bad call must leave unchanged."""
     return eng.tree(), eng.block_table(), eng.num_free_blocks

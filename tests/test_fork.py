@@ -3,17 +3,11 @@ import torch
 
 from dendrite_nb import Engine, SamplingParams
 
+from conftest import decode_recording_logits
+
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, ignore_eos=True)
 PROMPT = "A tree of thought, with branches"  # tokenizes to a length that is not a multiple of 4
-
-
-def decode_recording_logits(eng, branch, steps, sampling):
-    logits = []
-    for _ in range(steps):
-        logits.append(eng.next_logits([branch])[0])
-        eng.generate([branch], 1, sampling)
-    return torch.stack(logits)
 
 
 def branch_kv(eng, branch):

@@ -4,7 +4,7 @@ import torch
 
 from dendrite_nb import Engine, SamplingParams
 
-from conftest import ALL_SHAPES
+from conftest import ALL_SHAPES, decode_recording_logits
 
 TOLERANCE = 1e-4
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -31,13 +31,10 @@ def test_logits_and_greedy_tokens_match_transformers(shape, block_size, checkpoi
     assert (eng.next_logits([branch])[0] - expected).abs().max() < TOLERANCE
 
     start = len(branch)
-    step_logits = []
-    for _ in range(64):
-        step_logits.append(eng.next_logits([branch])[0])
-        eng.generate([branch], 1, GREEDY)
+    step_logits = decode_recording_logits(eng, branch, 64, GREEDY)
     tokens = branch.tokens
     reference = hf_logits(hf, tokens)[start - 1: start - 1 + 64]  # teacher-forced logits before each new token
-    assert (torch.stack(step_logits) - reference).abs().max() < TOLERANCE
+    assert (step_logits - reference).abs().max() < TOLERANCE
     assert tokens[start:] == reference.argmax(-1).tolist()  # greedy tokens identical
     assert len(set(tokens[start:])) > 3  # the random model is not stuck on one token
 
