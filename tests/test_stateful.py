@@ -99,7 +99,10 @@ def test_random_operation_sequences_keep_invariants(loaded):
             fresh = reference.new_branch("fresh", self.expected[name])
             try:
                 diff = (self.engine.next_logits([name]) - reference.next_logits([fresh])).abs().max()
-                assert diff < 1e-4, f"branch {name} reads corrupted KV (max diff {diff})"
+                # Decoding token by token and prefilling at once sum float32 GEMMs in different orders:
+                # measured up to 1.03e-4 on logits of magnitude 10 (a 5-token branch, no fork needed).
+                # Corrupted KV shows as diffs above 1 (skipping the copy-on-write copy gives 13.9).
+                assert diff < 1e-3, f"branch {name} reads corrupted KV (max diff {diff})"
             finally:
                 reference.prune(fresh)
 
