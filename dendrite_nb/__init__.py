@@ -2,13 +2,32 @@
 
     from dendrite_nb import Engine, SamplingParams
     eng = Engine.from_pretrained(path)
+
+In a notebook: `%load_ext dendrite_nb`, then `%dendrite demo` (see dendrite_nb.magics).
 """
+from .constraints import Constraint, parse_constraint
 from .engine import Engine
-from .errors import (BranchExists, BranchPruned, CheckpointError, ContextOverflow, DendriteError, EmptyBranch,
-                     OutOfBlocks, UnknownBranch, UnsupportedModel)
+from .errors import (BranchExists, BranchPruned, CheckpointError, ConstraintError, ContextOverflow, DendriteError,
+                     EmptyBranch, GenerationInterrupted, OutOfBlocks, UnknownBranch, UnsupportedModel)
+from .events import DecodeStep, TreeChanged
 from .kv import Branch
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Branch", "BranchExists", "BranchPruned", "CheckpointError", "ContextOverflow", "DendriteError",
-           "EmptyBranch", "Engine", "OutOfBlocks", "SamplingParams", "UnknownBranch", "UnsupportedModel"]
+__all__ = ["Branch", "BranchExists", "BranchPruned", "CheckpointError", "Constraint", "ConstraintError",
+           "ContextOverflow", "DecodeStep", "DendriteError", "EmptyBranch", "Engine", "GenerationInterrupted",
+           "OutOfBlocks", "SamplingParams", "TreeChanged", "UnknownBranch", "UnsupportedModel", "parse_constraint"]
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext dendrite_nb`. The one place the engine package reaches the notebook layer, and only
+    when IPython asks: importing dendrite_nb never imports IPython."""
+    from dendrite_nb.magics import load_ipython_extension as load_magics
+
+    load_magics(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from dendrite_nb.magics import unload_ipython_extension as unload_magics
+
+    unload_magics(ipython)

@@ -6,13 +6,16 @@ that fails (or is interrupted) undoes the appends it made.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from .attention import BatchLayout, make_backend
-from .errors import CheckpointError, ContextOverflow, EmptyBranch, OutOfBlocks
+from .errors import CheckpointError, ContextOverflow, EmptyBranch, GenerationInterrupted, OutOfBlocks
+from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
+from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
 from .model.config import ModelConfig
 from .model.loader import load_model, random_model, read_config
@@ -62,6 +65,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._listeners: list[Listener] = []
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -147,6 +151,7 @@ class Engine:
         except BaseException:
             self.branch_tree.prune(branch)
             raise
+        self._emit(TreeChanged("new_branch", (name,)))
         return branch
 
     def append(self, branch: BranchRef, content: TokensLike) -> Branch:
@@ -163,6 +168,7 @@ class Engine:
         for branch, tokens in pairs:
             self._check_context(branch.name, len(branch), len(tokens))
         self._prefill([(b, t) for b, t in pairs if t])
+        self._emit(TreeChanged("append", tuple(b.name for b, _ in pairs)))
         return [b for b, _ in pairs]
 
     def fork(self, branch: BranchRef, n: int | None = None, *, names: Sequence[str] | None = None) -> list[Branch]:
@@ -179,7 +185,9 @@ class Engine:
         names = list(names)
         if not names:
             raise ValueError("fork needs at least one name.")
-        return self.branch_tree.fork(parent, names, [derive_seed(parent.seed, name) for name in names])
+        children = self.branch_tree.fork(parent, names, [derive_seed(parent.seed, name) for name in names])
+        self._emit(TreeChanged("fork", (parent.name, *names)))
+        return children
 
     def _child_names(self, parent: str, count: int) -> list[str]:
         names, index = [], 0
@@ -194,7 +202,9 @@ class Engine:
         flat = [b for item in branches for b in (item if isinstance(item, (list, tuple)) else [item])]
         resolved = [self.branch_tree.resolve(b) for b in flat]
         self._check_unique(resolved)
-        return sum(len(self.branch_tree.prune(b)) for b in resolved)
+        freed = sum(len(self.branch_tree.prune(b)) for b in resolved)
+        self._emit(TreeChanged("prune", tuple(b.name for b in resolved)))
+        return freed
 
     def next_logits(self, branches: BranchRef | Sequence[BranchRef]) -> torch.Tensor:
         """float32 logits [B, vocab] for the token after each branch's end; appends nothing."""
@@ -209,6 +219,8 @@ class Engine:
 
         A branch stops at EOS (unless sampling.ignore_eos), at a stop string (the token that completes
         it is kept), or after max_new_tokens. Sampled tokens are appended to the branches.
+        Ctrl-C stops at the end of the current step and raises GenerationInterrupted (a
+        KeyboardInterrupt) carrying the tokens of the completed steps, which the branches keep.
         """
         resolved = self._resolve_list(branches)
         sampling = sampling if sampling is not None else SamplingParams()
@@ -225,21 +237,39 @@ class Engine:
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
         outputs: list[list[int]] = [[] for _ in resolved]
         active = list(range(len(resolved)))
-        logits = self.next_logits(resolved)
-        for step in range(max_new_tokens):
-            histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
-                         if sampling.repetition_penalty != 1.0 else None)
-            drawn = sample(logits, sampling, [generators[i] for i in active], histories).tolist()
-            still_active = []
-            for i, token in zip(active, drawn):
-                outputs[i].append(token)
-                if not self._finished(outputs[i], sampling, stop_window):
-                    still_active.append(i)
-            self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
-            active = still_active
-            if not active or step == max_new_tokens - 1:
-                break
-            logits = self.next_logits([resolved[i] for i in active])
+        steps_done = 0
+        try:
+            with DeferredInterrupt() as interrupt:
+                logits = self.next_logits(resolved)
+                for step in range(max_new_tokens):
+                    started = time.perf_counter()
+                    histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
+                                 if sampling.repetition_penalty != 1.0 else None)
+                    drawn = sample(logits, sampling, [generators[i] for i in active], histories).tolist()
+                    self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
+                    steps_done += 1
+                    still_active, finished = [], []
+                    for i, token in zip(active, drawn):
+                        outputs[i].append(token)
+                        (finished if self._finished(outputs[i], sampling, stop_window) else still_active).append(i)
+                    last_step = not still_active or step == max_new_tokens - 1
+                    if not last_step:
+                        logits = self.next_logits([resolved[i] for i in still_active])
+                    self._emit(DecodeStep(step, max_new_tokens, tuple(resolved[i].name for i in active),
+                                          tuple(drawn), tuple(resolved[i].name for i in finished),
+                                          time.perf_counter() - started))
+                    active = still_active
+                    if last_step:
+                        break
+                    if interrupt.pending:  # Ctrl-C arrived during the step; stop here, at its boundary
+                        raise KeyboardInterrupt
+        except GenerationInterrupted:
+            raise
+        except KeyboardInterrupt as interrupted:
+            raise GenerationInterrupted(outputs, steps_done, max_new_tokens) from interrupted
+        finally:
+            if steps_done:
+                self._emit(TreeChanged("generate", tuple(b.name for b in resolved)))
         return outputs
 
     def _finished(self, generated: list[int], sampling: SamplingParams, stop_window: int) -> bool:
@@ -255,6 +285,18 @@ class Engine:
             seed = branch.seed if call_seed is None else derive_seed(call_seed, branch.name)
             branch.generator = torch.Generator(device=self.device).manual_seed(seed)
         return branch.generator
+
+    # ---- events -------------------------------------------------------------------------------
+    def subscribe(self, listener: Listener) -> Subscription:
+        """Call `listener(event)` after every decode step (DecodeStep) and every change of the tree
+        (TreeChanged). Returns a Subscription; `close()` it, or use it as a context manager."""
+        if not callable(listener):
+            raise TypeError(f"a listener must be callable, got {type(listener).__name__}.")
+        return Subscription(self._listeners, listener)
+
+    def _emit(self, event: Event) -> None:
+        for listener in list(self._listeners):
+            listener(event)
 
     # ---- checks (raise before anything changes) -----------------------------------------------
     def _resolve_list(self, branches: BranchRef | Sequence[BranchRef]) -> list[Branch]:

@@ -45,3 +45,23 @@ class CheckpointError(DendriteError, ValueError):
 
 class UnsupportedModel(CheckpointError):
     """A checkpoint whose architecture the engine does not implement."""
+
+
+class ConstraintError(DendriteError, ValueError):
+    """A constraint spec (JSON schema, regex, Lark grammar, choices) that is malformed."""
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or a listener raising KeyboardInterrupt) stopped generate at a step boundary.
+
+    Every branch keeps the tokens of the steps that completed; `outputs` holds them per branch,
+    in the order the branches were given.
+    """
+
+    def __init__(self, outputs: list[list[int]], steps_done: int, max_steps: int):
+        self.outputs, self.steps_done, self.max_steps = outputs, steps_done, max_steps
+        super().__init__(f"generation interrupted after {steps_done} of {max_steps} steps; every branch kept "
+                         f"the tokens of the completed steps and the engine is ready for the next call.")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
