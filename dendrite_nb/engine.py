@@ -123,6 +123,10 @@ class Engine:
             raise ValueError(f"token id {bad[0]!r} is not an int in [0, {self.config.vocab_size}) (the vocabulary).")
         return tokens
 
+    def encode(self, content: TokensLike, *, at_start: bool = False) -> list[int]:
+        """Token ids for text (with the tokenizer's BOS when at_start) or checked ids; changes nothing."""
+        return self._tokens(content, at_start)
+
     def decode(self, tokens: Sequence[int]) -> str:
         if self.tokenizer is None:
             raise TypeError("this engine has no tokenizer (built from random weights).")
@@ -222,17 +226,8 @@ class Engine:
         Ctrl-C stops at the end of the current step and raises GenerationInterrupted (a
         KeyboardInterrupt) carrying the tokens of the completed steps, which the branches keep.
         """
-        resolved = self._resolve_list(branches)
         sampling = sampling if sampling is not None else SamplingParams()
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none.")
-        for branch in resolved:
-            self._check_not_empty(branch)
-            self._check_context(branch.name, len(branch), max_new_tokens)
-        self._check_blocks([(b, max_new_tokens) for b in resolved], f"generating {max_new_tokens:,} tokens "
-                           f"on {len(resolved)} branch{'es' if len(resolved) > 1 else ''}")
+        resolved = self.check_generate(branches, max_new_tokens, sampling)
         generators = [self._generator(b, sampling.seed) for b in resolved]
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
         outputs: list[list[int]] = [[] for _ in resolved]
@@ -272,6 +267,22 @@ class Engine:
                 self._emit(TreeChanged("generate", tuple(b.name for b in resolved)))
         return outputs
 
+    def check_generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int,
+                       sampling: SamplingParams | None = None) -> list[Branch]:
+        """Raise what generate would raise before its first step (bad branches, budget, room); changes nothing."""
+        resolved = self._resolve_list(branches)
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none.")
+        for branch in resolved:
+            self._check_not_empty(branch)
+            self._check_context(branch.name, len(branch), max_new_tokens)
+        self._check_blocks([(b, max_new_tokens) for b in resolved], f"generating {max_new_tokens:,} tokens "
+                           f"on {len(resolved)} branch{'es' if len(resolved) > 1 else ''}")
+        return resolved
+
     def _finished(self, generated: list[int], sampling: SamplingParams, stop_window: int) -> bool:
         if generated[-1] in self.eos_token_ids and not sampling.ignore_eos:
             return True
@@ -285,6 +296,27 @@ class Engine:
             seed = branch.seed if call_seed is None else derive_seed(call_seed, branch.name)
             branch.generator = torch.Generator(device=self.device).manual_seed(seed)
         return branch.generator
+
+    def check_growth(self, branch: BranchRef, num_tokens: int) -> None:
+        """Raise ContextOverflow or OutOfBlocks if `branch` cannot grow by num_tokens right now.
+        Lets a caller that will append and then generate refuse before it changes anything."""
+        resolved = self.branch_tree.resolve(branch)
+        self._check_context(resolved.name, len(resolved), num_tokens)
+        self._check_blocks([(resolved, num_tokens)], f"growing branch {resolved.name!r} by {num_tokens:,} tokens")
+
+    def close(self) -> None:
+        """Free the weights and the KV pool now, even while other references to this engine remain.
+        Every later call raises a clear error."""
+        self.model.to("meta")
+        self.pool.kv = self.pool.kv.new_empty(0)
+        self._kv_layers = []
+        self.branch_tree = _ClosedTree()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def closed(self) -> bool:
+        return isinstance(self.branch_tree, _ClosedTree)
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self, listener: Listener) -> Subscription:
@@ -403,6 +435,20 @@ class Engine:
         self.pool.verify_free_blocks()
 
     def __repr__(self) -> str:
+        if self.closed:
+            return f"Engine({self.config.describe()}, closed)"
         used = self.pool.num_blocks - self.num_free_blocks
         return (f"Engine({self.config.describe()}, {self.device.type} {str(self.dtype).removeprefix('torch.')}, "
                 f"{len(self.branch_tree.branches)} branches, {used:,}/{self.pool.num_blocks:,} KV blocks used)")
+
+
+class _ClosedTree:
+    """Stands in for the branch tree of a closed engine: every use says so, instead of failing deep inside."""
+
+    branches: dict[str, Branch] = {}
+
+    def __getattr__(self, name: str):
+        from .errors import DendriteError
+
+        raise DendriteError("this engine was closed (its weights and KV cache were freed, e.g. by "
+                            "`%dendrite load --replace`); use the engine that replaced it.")

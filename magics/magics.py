@@ -1,0 +1,406 @@
+"""The IPython magics: %dendrite, %%branch, %fork, %gen, %prune, %show, %tree, %blocks, %throughput.
+
+Every magic checks all of its input before it changes anything, and reports bad input as a
+UsageError (a one-line message, no traceback) that says what to do. Engine errors about the user's
+request (unknown branch, no room, context overflow) are reported the same way.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from dendrite_nb import DendriteError, Engine, GenerationInterrupted, SamplingParams
+from dendrite_nb.kv import Branch
+
+from .cell_options import read_cell_options, split_inline_options
+from .live import LiveGeneration
+from .results import Branches, Generated, Loaded, Pruned
+from .session import Session, check_new_name, source_label
+from .show import show_branch
+from .views import BlocksView, StatusView, ThroughputView, TreeView, last_call_steps
+
+SUBCOMMANDS = ("load", "demo", "status")
+CONSTRAINTS_NOT_YET = ("constrained decoding is not available yet (it arrives with the llguidance integration); "
+                       "the {what} from the {origin} is valid, but generating with it is refused rather than "
+                       "ignored. Remove it to generate without a constraint.")
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """The engine's refusals of a request become UsageErrors; its bugs keep their tracebacks."""
+    try:
+        yield
+    except (DendriteError, ValueError, LookupError) as error:
+        raise UsageError(str(error)) from None
+
+
+def sampling_arguments(func):
+    for decorator in reversed([
+        argument("--temperature", "-t", type=float, default=1.0, help="softmax temperature; 0 is greedy (default 1.0)"),
+        argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)"),
+        argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this mass (1: off)"),
+        argument("--repetition-penalty", type=float, default=1.0, help="divide logits of tokens already seen (HF style)"),
+        argument("--seed", type=int, default=None, help="reseed each branch's sampler (derived per branch name)"),
+        argument("--stop", action="append", default=[], help="stop a branch when its new text contains this (repeatable)"),
+        argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token"),
+    ]):
+        func = decorator(func)
+    return func
+
+
+def sampling_from(args) -> SamplingParams:
+    with user_errors():
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty, stop=tuple(args.stop), seed=args.seed,
+                              ignore_eos=args.ignore_eos)
+
+
+def cell_text(cell: str) -> str:
+    # The front end ends a cell without a newline; IPython hands a cell magic its body with one.
+    return cell[:-1] if cell.endswith("\n") else cell
+
+
+@magics_class
+class DendriteMagics(Magics):
+    def __init__(self, shell, session: Session):
+        super().__init__(shell)
+        self.session = session
+
+    # ---- cell context -------------------------------------------------------------------------------
+    def _cell_metadata(self) -> dict[str, Any] | None:
+        kernel = getattr(self.shell, "kernel", None)
+        if kernel is None:
+            return None
+        parent = kernel.get_parent()
+        return (parent or {}).get("metadata") or None
+
+    def _constraint_check(self, inline: dict[str, str], generating: bool) -> None:
+        options = read_cell_options(self._cell_metadata(), inline, self.shell.user_ns)
+        if options.constraint is None:
+            return
+        if not generating:
+            raise UsageError(f"this cell's {options.origin} set a {options.constraint.kind} constraint, but the cell "
+                             f"does not generate; add --gen N to %%branch, or remove the constraint.")
+        raise UsageError(CONSTRAINTS_NOT_YET.format(what=options.constraint.describe(), origin=options.origin))
+
+    # ---- %dendrite ------------------------------------------------------------------------------------
+    @line_magic
+    def dendrite(self, line: str = ""):
+        """Load a model into this kernel's session, or show the session's state.
+
+        Usage::
+
+          %dendrite demo [--device cpu] [--replace]
+          %dendrite load PATH [--device cuda] [--dtype bfloat16] [--kv-dtype DTYPE]
+                              [--block-size 16] [--num-blocks N] [--replace]
+          %dendrite status
+
+        Options:
+          demo          the embedded tiny Llama (random weights, built locally on first use)
+          load PATH     an HF folder: config.json, safetensors weights, tokenizer files
+          --replace     close the loaded engine (freeing its memory and its branches) and load this one
+          status        the engine, its KV pool and its branches
+
+        Examples::
+
+          %dendrite demo
+          %dendrite load ~/models/Qwen3-0.6B --device cuda --dtype bfloat16
+          %dendrite load ~/models/Llama-3.1-8B --device cuda --replace
+          from dendrite_nb.magics import current_engine; eng = current_engine()
+        """
+        words = line.split(None, 1)
+        if not words or words[0] not in SUBCOMMANDS:
+            got = f"unknown subcommand {words[0]!r}; " if words else ""
+            raise UsageError(f"{got}use %dendrite {' | '.join(SUBCOMMANDS)} (see %dendrite?).")
+        rest = words[1] if len(words) > 1 else ""
+        return getattr(self, f"_dendrite_{words[0]}")(rest)
+
+    def _dendrite_load(self, rest: str) -> Loaded:
+        args = parse_argstring(_load_arguments, rest)
+        self.session.check_can_load(args.replace)
+        options = {k: v for k, v in (("kv_dtype", args.kv_dtype), ("num_blocks", args.num_blocks)) if v is not None}
+        with user_errors():
+            engine = Engine.from_pretrained(args.path, device=args.device, dtype=args.dtype,
+                                            block_size=args.block_size, **options)
+        return self._install(engine, source_label(args.path), args.replace)
+
+    def _dendrite_demo(self, rest: str) -> Loaded:
+        from dendrite_nb.testing import demo_checkpoint
+
+        args = parse_argstring(_demo_arguments, rest)
+        self.session.check_can_load(args.replace)
+        with user_errors():
+            engine = Engine.from_pretrained(demo_checkpoint(), device=args.device, num_blocks=args.num_blocks)
+        return self._install(engine, "demo (embedded tiny Llama, random weights)", args.replace)
+
+    def _install(self, engine: Engine, source: str, replace: bool) -> Loaded:
+        old = self.session.install(engine, source, replace)
+        return Loaded(repr(engine), source, repr(old) if old is not None else None)
+
+    def _dendrite_status(self, rest: str) -> StatusView:
+        if rest.strip():
+            raise UsageError(f"%dendrite status takes no arguments, got {rest.strip()!r}.")
+        engine = self.session.require_engine()
+        used = engine.pool.num_blocks - engine.num_free_blocks
+        branches = tuple((name, len(b)) for name, b in sorted(engine.branches.items()))
+        return StatusView(repr(engine), self.session.source, branches, used, engine.pool.num_blocks,
+                          engine.pool.num_blocks * engine.pool.bytes_per_block / 2**20)
+
+    # ---- %%branch -------------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("name", help="the branch to create, or to extend when it exists")
+    @argument("--from", dest="parent", default=None, help="fork NAME from this branch first (NAME must be new)")
+    @argument("--gen", type=int, default=0, metavar="N", help="then generate up to N tokens, streaming")
+    @argument("--chat", action="store_true", help="wrap the cell text as a user message with the chat template")
+    @sampling_arguments
+    @cell_magic
+    def branch(self, line: str, cell: str):
+        """Append the cell's text to a branch: a new one from the root, a fork of --from, or an existing one.
+
+        Leading `#| json_schema: ...` / `#| regex: ...` lines are constraint options, not prompt
+        text (see the cell-metadata section of the README).
+
+        Examples::
+
+          %%branch root
+          A river blocks the road. Three ways across:
+
+          %%branch careful --from root --gen 40 --temperature 0.7
+          The safest way is
+
+          %%branch root
+          and one more thing.
+        """
+        args = parse_argstring(self.branch, line)
+        engine = self.session.require_engine()
+        inline, body = split_inline_options(cell_text(cell))
+        if args.gen < 0:
+            raise UsageError(f"--gen takes a number of tokens >= 0, got {args.gen}.")
+        sampling = sampling_from(args)
+        self._constraint_check(inline, generating=args.gen > 0)
+        with user_errors():
+            if args.chat:
+                body = engine.format_chat([{"role": "user", "content": body}])
+            exists = args.name in engine.branches
+            if args.parent is not None or not exists:
+                check_new_name(args.name)
+                engine.branch_tree.check_new_names([args.name])
+            parent = engine.branch(args.parent) if args.parent is not None else None
+            starts_empty = (len(parent) if parent else len(engine.branch(args.name)) if exists else 0) == 0
+            tokens = engine.encode(body, at_start=starts_empty) if body else []
+            if args.gen and starts_empty and not tokens:
+                raise UsageError(f"branch {args.name!r} would have no tokens to generate from; write a prompt in the cell.")
+            if exists and parent is None:
+                engine.check_growth(args.name, len(tokens) + args.gen)
+        created = None
+        try:
+            with user_errors():
+                if parent is not None:
+                    created = engine.fork(parent, names=[args.name])[0]
+                elif not exists:
+                    created = engine.new_branch(args.name)
+                if created is not None:
+                    engine.check_growth(created, len(tokens) + args.gen)
+                if tokens:
+                    engine.append(args.name, tokens)
+        except BaseException:
+            if created is not None:
+                engine.prune(created)
+            raise
+        branch = engine.branch(args.name)
+        action = "forked from " + args.parent if parent is not None else "created" if created else "appended to"
+        if args.gen:
+            return self._generate([branch], args.gen, sampling)
+        return Branches(f"{action} {args.name}" if tokens or created else f"{args.name} unchanged",
+                        (branch.name,), (len(branch),), engine.num_free_blocks)
+
+    # ---- %fork ----------------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("parent", help="the branch to fork")
+    @argument("children", nargs="*", help="names of the new branches")
+    @argument("--n", "-n", type=int, default=None, help="make N children named PARENT/0, PARENT/1, ...")
+    @line_magic
+    def fork(self, line: str = ""):
+        """New branches at the same point as PARENT: O(1), no KV block is copied until a child writes.
+
+        Examples::
+
+          %fork root plan_a plan_b
+          %fork root --n 5
+          kids = %fork root -n 3
+          for name in kids: print(name)
+        """
+        args = parse_argstring(self.fork, line)
+        engine = self.session.require_engine()
+        if bool(args.children) == (args.n is not None):
+            raise UsageError("give the children's names (%fork PARENT A B) or a count (%fork PARENT --n K), not both.")
+        if args.n is not None and args.n < 1:
+            raise UsageError(f"--n takes a count >= 1, got {args.n}.")
+        for name in args.children:
+            check_new_name(name)
+        with user_errors():
+            kids = engine.fork(args.parent, args.n, names=args.children or None)
+        return Branches(f"forked {args.parent}", tuple(k.name for k in kids), tuple(len(k) for k in kids),
+                        engine.num_free_blocks)
+
+    # ---- %gen -----------------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("branches", nargs="+", help="branch names or glob patterns such as plan/*")
+    @argument("--max-tokens", "-n", type=int, default=32, help="tokens to generate per branch (default 32)")
+    @sampling_arguments
+    @line_magic
+    def gen(self, line: str = ""):
+        """Decode the named branches together, one batched step per token, streaming into the output.
+
+        Kernel > Interrupt stops at the end of the current step; every branch keeps the tokens of the
+        completed steps. The result maps each branch to its new text: `_["plan/0"]`.
+        A constraint comes from the cell's metadata (`{"dendrite": {"json_schema": ...}}`) or from
+        `#| json_schema: $var` lines at the top of the cell.
+
+        Examples::
+
+          %gen plan/* --max-tokens 64 --temperature 0.8 --top-p 0.95
+          %gen a b --max-tokens 16 -t 0
+          result = %gen root/* -n 20 --stop "."
+        """
+        args = parse_argstring(self.gen, line)
+        self.session.require_engine()
+        if args.max_tokens < 1:
+            raise UsageError(f"--max-tokens takes a count >= 1, got {args.max_tokens}.")
+        sampling = sampling_from(args)
+        inline, _ = split_inline_options(self.session.cell_source or "")
+        self._constraint_check(inline, generating=True)
+        branches = self.session.select(args.branches)
+        return self._generate(branches, args.max_tokens, sampling)
+
+    def _generate(self, branches: list[Branch], max_tokens: int, sampling: SamplingParams) -> Generated:
+        engine = self.session.require_engine()
+        with user_errors():  # refuse before the live view appears, so a refused cell shows only the error
+            engine.check_generate(branches, max_tokens, sampling)
+        live = None
+        try:
+            live = LiveGeneration(engine, branches, max_tokens)
+            with engine.subscribe(live), user_errors():
+                outputs = engine.generate(branches, max_tokens, sampling)
+        except GenerationInterrupted as interrupted:
+            live.finish(interrupted=True)
+            self.session.last_result = self._result(engine, branches, interrupted.outputs, live,
+                                                    interrupted.steps_done, True)
+            raise
+        live.finish(interrupted=False)
+        self.session.last_result = self._result(engine, branches, outputs, live, live.steps, False)
+        return self.session.last_result
+
+    @staticmethod
+    def _result(engine: Engine, branches: list[Branch], outputs: list[list[int]], live: LiveGeneration,
+                steps: int, interrupted: bool) -> Generated:
+        texts = tuple(engine.decode(out) if engine.tokenizer else str(out) for out in outputs)
+        return Generated(tuple(b.name for b in branches), tuple(tuple(o) for o in outputs), texts,
+                         steps, live.max_steps, live.seconds, interrupted)
+
+    # ---- %prune ---------------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("branches", nargs="+", help="branch names or glob patterns")
+    @line_magic
+    def prune(self, line: str = ""):
+        """Remove branches; KV blocks that no remaining branch reads return to the free list.
+
+        Examples::
+
+          %prune plan/1 plan/2
+          %prune plan/*
+        """
+        args = parse_argstring(self.prune, line)
+        engine = self.session.require_engine()
+        branches = self.session.select(args.branches)
+        with user_errors():
+            freed = engine.prune(branches)
+        return Pruned(tuple(b.name for b in branches), freed, engine.num_free_blocks)
+
+    # ---- %show and the views --------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("branch", help="the branch to show")
+    @line_magic
+    def show(self, line: str = ""):
+        """A branch's whole text from the root; ⑂ marks where the tree forks along its path.
+
+        Examples::
+
+          %show plan/0
+          text = (%show plan/0).text
+        """
+        args = parse_argstring(self.show, line)
+        engine = self.session.require_engine()
+        with user_errors():
+            branch = engine.branch(args.branch)
+        return show_branch(engine, branch)
+
+    @line_magic
+    def tree(self, line: str = ""):
+        """The branch tree: one line per node, with its tokens, blocks and branch names.
+
+        Usage: ``%tree`` (no options)
+
+        Examples::
+
+          %tree
+        """
+        self._no_arguments("tree", line)
+        return TreeView(self.session.require_engine().tree())
+
+    @line_magic
+    def blocks(self, line: str = ""):
+        """The KV block pool: one cell per physical block, coloured by how many branches read it.
+
+        Usage: ``%blocks`` (no options)
+
+        Examples::
+
+          %blocks
+        """
+        self._no_arguments("blocks", line)
+        return BlocksView(self.session.require_engine().block_table())
+
+    @line_magic
+    def throughput(self, line: str = ""):
+        """Decode throughput of the last generation: tokens/s, step time and batch size per step.
+
+        Usage: ``%throughput`` (no options)
+
+        Examples::
+
+          %gen root/* -n 64
+          %throughput
+        """
+        self._no_arguments("throughput", line)
+        self.session.require_engine()
+        return ThroughputView(last_call_steps(self.session))
+
+    @staticmethod
+    def _no_arguments(name: str, line: str) -> None:
+        if line.strip():
+            raise UsageError(f"%{name} takes no arguments, got {line.strip()!r}.")
+
+
+@magic_arguments()
+@argument("path", help="an HF checkpoint folder")
+@argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+@argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+@argument("--kv-dtype", default=None, help="dtype of the KV cache (default: the weights' dtype)")
+@argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+@argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: fits the device)")
+@argument("--replace", action="store_true", help="close the loaded engine first")
+def _load_arguments(line: str) -> None:
+    """%dendrite load"""
+
+
+@magic_arguments()
+@argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+@argument("--num-blocks", type=int, default=1024, help="KV pool size in blocks (default 1024)")
+@argument("--replace", action="store_true", help="close the loaded engine first")
+def _demo_arguments(line: str) -> None:
+    """%dendrite demo"""

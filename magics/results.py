@@ -1,0 +1,166 @@
+"""What the magics return: small objects with a readable repr in the terminal and in the notebook.
+
+They hold names, counts and text, never the engine, so the Out history cannot keep a replaced
+model's memory alive. `_` after a magic is one of these; loop over it in Python.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Iterator
+
+FORK_MARK = "⑂"       # marks a fork point in %show's plain-text output
+NEWLINE_MARK = "⏎"    # shown in place of a newline where a branch's text must fit one line
+
+
+def one_line(text: str, width: int | None = None) -> str:
+    flat = text.replace("\n", NEWLINE_MARK)
+    if width is not None and len(flat) > width:
+        return "…" + flat[-(width - 1):]
+    return flat
+
+
+def table_html(header: list[str], rows: list[list[str]], caption: str = "") -> str:
+    head = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{cell}</td>" for cell in row) + "</tr>"
+                   for row in rows)
+    cap = f"<caption style='text-align:left'>{html.escape(caption)}</caption>" if caption else ""
+    return f"<table class='dendrite'>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+class PrettyByRepr:
+    """IPython's pretty printer and the plain repr show the same text."""
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(repr(self))
+
+
+@dataclass(frozen=True, repr=False)
+class Loaded(PrettyByRepr):
+    engine: str          # the engine's repr when it was loaded
+    source: str          # checkpoint folder or "demo"
+    replaced: str | None  # the engine that was closed to make room, if any
+
+    def __repr__(self) -> str:
+        note = f"\n(closed and freed the previous engine: {self.replaced})" if self.replaced else ""
+        return f"loaded {self.source}\n{self.engine}{note}"
+
+
+@dataclass(frozen=True, repr=False)
+class Branches(PrettyByRepr):
+    """Branches a magic created or extended; iterate for their names."""
+    action: str
+    names: tuple[str, ...]
+    num_tokens: tuple[int, ...]
+    free_blocks: int
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{name} ({count:,} tokens)" for name, count in zip(self.names, self.num_tokens))
+        return f"{self.action}: {rows}; {self.free_blocks:,} KV blocks free"
+
+
+@dataclass(frozen=True, repr=False)
+class Generated(PrettyByRepr):
+    """The text each branch gained in one %gen; `result["name"]` is a branch's new text."""
+    names: tuple[str, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    texts: tuple[str, ...]
+    steps: int
+    max_steps: int
+    seconds: float
+    interrupted: bool = False
+    constraint: str | None = None
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self.names:
+            raise KeyError(f"{name!r} was not generated here; this result has {', '.join(self.names)}")
+        return self.texts[self.names.index(name)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        return iter(zip(self.names, self.texts))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def _status(self) -> str:
+        state = f"interrupted after {self.steps} of {self.max_steps} steps" if self.interrupted else f"{self.steps} steps"
+        return f"{len(self.names)} branch{'es' if len(self.names) != 1 else ''}, {self.num_tokens:,} new tokens, {state}"
+
+    def __repr__(self) -> str:
+        width = max(len(n) for n in self.names)
+        lines = [f"{name:>{width}} │ {one_line(text)}" for name, text in self.items()]
+        return "\n".join([self._status(), *lines])
+
+    def _repr_html_(self) -> str:
+        rows = [[f"<b>{html.escape(name)}</b>", str(len(tokens)),
+                 f"<span style='white-space:pre-wrap'>{html.escape(text)}</span>"]
+                for name, text, tokens in zip(self.names, self.texts, self.tokens)]
+        return table_html(["branch", "tokens", "new text"], rows, self._status())
+
+
+@dataclass(frozen=True, repr=False)
+class Pruned(PrettyByRepr):
+    names: tuple[str, ...]
+    freed_blocks: int
+    free_blocks: int
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __repr__(self) -> str:
+        return (f"pruned {', '.join(self.names)}: freed {self.freed_blocks:,} KV blocks; "
+                f"{self.free_blocks:,} free")
+
+
+@dataclass(frozen=True)
+class Segment:
+    node: int            # tree node id
+    start: int           # token position of the segment's first token
+    text: str
+    forks_after: tuple[str, ...] = ()  # other branches that leave the path at the end of this segment
+
+
+@dataclass(frozen=True, repr=False)
+class Shown(PrettyByRepr):
+    """A branch's text from the root, split where the tree forks (FORK_MARK in plain text)."""
+    name: str
+    segments: tuple[Segment, ...] = field(default=())
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+    def __repr__(self) -> str:
+        parts = []
+        for segment in self.segments:
+            parts.append(segment.text)
+            if segment is not self.segments[-1]:
+                parts.append(FORK_MARK)
+        return "".join(parts)
+
+    def _repr_html_(self) -> str:
+        spans = []
+        for index, segment in enumerate(self.segments):
+            shade = "rgba(127,127,127,0.10)" if index % 2 else "rgba(127,127,127,0.22)"
+            others = f"; other branches fork here: {', '.join(segment.forks_after)}" if segment.forks_after else ""
+            title = html.escape(f"node {segment.node}, from token {segment.start}{others}", quote=True)
+            spans.append(f"<span title='{title}' style='background:{shade};white-space:pre-wrap'>"
+                         f"{html.escape(segment.text)}</span>")
+            if index < len(self.segments) - 1:
+                spans.append(f"<b title='fork point' style='color:#d62728'>{FORK_MARK}</b>")
+        return (f"<div class='dendrite-show'><div><b>{html.escape(self.name)}</b> "
+                f"({len(self.segments)} segment{'s' if len(self.segments) != 1 else ''}; "
+                f"{FORK_MARK} marks a fork point)</div><div style='font-family:monospace'>{''.join(spans)}</div></div>")

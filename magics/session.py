@@ -1,0 +1,117 @@
+"""The per-kernel session: one Engine for the life of the kernel, plus what the views need from it.
+
+A session outlives cells; magics reach it through `current_session()`. Loading a second model
+closes the first engine (its weights and KV cache are freed at once, even if a notebook variable
+still refers to it), so a kernel never holds two models by accident.
+"""
+from __future__ import annotations
+
+import fnmatch
+import gc
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from IPython.core.error import UsageError
+
+from dendrite_nb import DecodeStep, Engine
+from dendrite_nb.kv import Branch
+
+GLOB_CHARACTERS = "*?["
+THROUGHPUT_HISTORY_STEPS = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    call: int          # which generate call of the session (0-based)
+    step: int          # step index within that call
+    batch_size: int    # branches decoded in the step
+    step_s: float      # wall time, seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch_size / self.step_s if self.step_s > 0 else float("inf")
+
+
+class Session:
+    def __init__(self):
+        self.engine: Engine | None = None
+        self.source: str | None = None           # the checkpoint folder, or "demo"
+        self.steps: deque[StepRecord] = deque(maxlen=THROUGHPUT_HISTORY_STEPS)
+        self.generate_calls = 0
+        self.cell_source: str | None = None      # the raw text of the cell now running (pre_run_cell)
+        self.last_result: Any = None             # the last generation's result, kept even when interrupted
+        self._subscription = None
+
+    # ---- the engine -----------------------------------------------------------------------------
+    def require_engine(self) -> Engine:
+        if self.engine is None:
+            raise UsageError("no model is loaded in this kernel; run `%dendrite demo` (the embedded tiny model) "
+                             "or `%dendrite load PATH` first.")
+        return self.engine
+
+    def install(self, engine: Engine, source: str, replace: bool) -> Engine | None:
+        """Make `engine` the session's engine. Returns the engine it replaced (already closed), if any."""
+        old = self.engine
+        if old is not None and not replace:
+            engine.close()
+            raise UsageError(f"a model is already loaded ({self.source}); add --replace to close it and load "
+                             f"this one (its branches will be gone), or keep working with it.")
+        if old is not None:
+            self._subscription.close()
+            old.close()
+            gc.collect()
+        self.engine, self.source = engine, source
+        self.steps.clear()
+        self.generate_calls = 0
+        self._subscription = engine.subscribe(self._record)
+        return old
+
+    def check_can_load(self, replace: bool) -> None:
+        """Refuse before spending time on loading a checkpoint that would be refused anyway."""
+        if self.engine is not None and not replace:
+            raise UsageError(f"a model is already loaded ({self.source}); add --replace to close it and load "
+                             f"another (its branches will be gone), or keep working with it.")
+
+    def _record(self, event: Any) -> None:
+        if isinstance(event, DecodeStep):
+            if event.step == 0:
+                self.generate_calls += 1
+            self.steps.append(StepRecord(self.generate_calls - 1, event.step, event.batch_size, event.step_s))
+
+    # ---- branch selection -----------------------------------------------------------------------
+    def select(self, patterns: list[str]) -> list[Branch]:
+        """Branches named by names or glob patterns (`plan/*`), in order, each once.
+        Every pattern must match something: a typo should not silently shrink a batch."""
+        engine = self.require_engine()
+        names = sorted(engine.branches)
+        chosen: list[str] = []
+        for pattern in patterns:
+            if any(c in pattern for c in GLOB_CHARACTERS):
+                matched = fnmatch.filter(names, pattern)
+                if not matched:
+                    raise UsageError(f"no branch matches {pattern!r}; the branches are: {describe_names(names)}.")
+            elif pattern in engine.branches:
+                matched = [pattern]
+            else:
+                raise UsageError(f"there is no branch {pattern!r}; the branches are: {describe_names(names)}.")
+            chosen.extend(m for m in matched if m not in chosen)
+        return [engine.branch(name) for name in chosen]
+
+
+def check_new_name(name: str) -> None:
+    if any(c in name for c in GLOB_CHARACTERS + "]") or not name.strip() or name != name.strip():
+        raise UsageError(f"{name!r} cannot name a branch: names may not contain *, ?, [ or ] (they are glob "
+                         f"patterns in %gen and %prune) or start or end with spaces.")
+
+
+def describe_names(names: list[str], limit: int = 12) -> str:
+    if not names:
+        return "none yet (create one with %%branch NAME)"
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def source_label(path: str | Path) -> str:
+    return str(Path(path).expanduser())

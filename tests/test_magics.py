@@ -1,0 +1,309 @@
+"""The magics, driven through a real IPython InteractiveShell (run_line_magic / run_cell_magic)."""
+import gc
+import weakref
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+from IPython.utils.capture import capture_output
+
+from dendrite_nb import DecodeStep, Engine, GenerationInterrupted, SamplingParams
+from dendrite_nb.magics import current_engine, current_session
+from conftest import engine_state
+
+PROMPT = "The river is wide and cold. First idea:"
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "dendrite_nb")
+    return ip
+
+
+@pytest.fixture
+def ip(shell, checkpoint):
+    """The shell with a fresh small engine on the tiny test checkpoint, and a prompt in branch 'root'."""
+    session = current_session()
+    if session.engine is not None:
+        session.engine.close()
+    session.engine = None
+    session.install(Engine.from_pretrained(checkpoint(), num_blocks=48, block_size=4, debug=True), "test", False)
+    shell.run_cell_magic("branch", "root", PROMPT + "\n")
+    shell.user_ns.pop("my_schema", None)
+    return shell
+
+
+def magic(ip, line, cell=None):
+    """Run `%line` (or `%%line` with a cell) and keep what it displayed."""
+    name, _, rest = line.partition(" ")
+    with capture_output() as captured:
+        result = ip.run_cell_magic(name, rest, cell) if cell is not None else ip.run_line_magic(name, rest)
+    return result, captured
+
+
+def test_every_magic_documents_usage_options_and_examples(shell):
+    """`%magic?` shows these docstrings; magic_arguments writes the usage line ("::  %fork [...]") and options."""
+    for name in ("fork", "gen", "prune", "show"):
+        doc = shell.find_line_magic(name).__doc__
+        assert doc.startswith(f"::\n\n  %{name} ") and "arguments:" in doc and "Examples" in doc, name
+    for name in ("tree", "blocks", "throughput"):
+        doc = shell.find_line_magic(name).__doc__
+        assert f"Usage: ``%{name}``" in doc and "Examples" in doc, name
+    doc = shell.find_line_magic("dendrite").__doc__
+    assert "Usage::" in doc and "Options:" in doc and "Examples::" in doc
+    doc = shell.find_cell_magic("branch").__doc__
+    assert doc.startswith("::\n\n  %branch ") and "--from" in doc and "--temperature" in doc and "Examples" in doc
+
+
+def test_magics_before_a_model_is_loaded_say_how_to_load_one(shell):
+    session = current_session()
+    if session.engine is not None:
+        session.engine.close()
+    session.engine = None
+    for line in ("gen root", "fork root --n 2", "prune root", "show root", "tree", "blocks", "throughput",
+                 "dendrite status"):
+        with pytest.raises(UsageError, match="%dendrite demo"):
+            magic(shell, line)
+    with pytest.raises(UsageError, match="%dendrite demo"):
+        magic(shell, "branch root", "hello")
+
+
+def test_branch_fork_gen_prune_match_the_python_api(ip, checkpoint):
+    magic(ip, "fork root plan/0 plan/1 plan/2")
+    result, shown = magic(ip, "gen plan/* --max-tokens 6 --temperature 0.9 --top-p 0.95 --ignore-eos")
+    magic(ip, "branch careful --from plan/1 --gen 4 -t 0", " so the safest way is")
+
+    reference = Engine.from_pretrained(checkpoint(), num_blocks=48, block_size=4)
+    root = reference.new_branch("root", PROMPT)
+    kids = reference.fork(root, names=["plan/0", "plan/1", "plan/2"])
+    expected = reference.generate(kids, 6, SamplingParams(temperature=0.9, top_p=0.95, ignore_eos=True))
+    assert list(result.names) == ["plan/0", "plan/1", "plan/2"]
+    assert [list(t) for t in result.tokens] == expected
+    assert result["plan/1"] == reference.decode(expected[1])
+    careful = reference.fork("plan/1", names=["careful"])[0]
+    reference.append(careful, " so the safest way is")
+    reference.generate([careful], 4, SamplingParams(temperature=0.0))
+    assert current_engine().branch("careful").tokens == careful.tokens
+
+    pruned, _ = magic(ip, "prune plan/0 plan/2")
+    assert list(pruned) == ["plan/0", "plan/2"] and pruned.freed_blocks > 0
+    current_engine().audit()
+    assert sorted(current_engine().branches) == ["careful", "plan/1", "root"]
+
+
+def test_gen_streams_one_line_per_branch_and_ends_with_a_summary(ip):
+    magic(ip, "fork root a b")
+    result, shown = magic(ip, "gen a b -n 5 --ignore-eos")
+    texts = [output.data["text/plain"] for output in shown.outputs]
+    assert "a │" in texts[0] and "b │" in texts[0] and "0/5 steps" in texts[0]
+    assert texts[-1].startswith("[" + "#" * 30 + "] ✓ 2 branches, 10 tokens, 5 steps")
+    assert "<table" in result._repr_html_()
+    assert repr(result).startswith("2 branches, 10 new tokens, 5 steps")
+
+
+def test_live_updates_are_throttled(ip, monkeypatch):
+    import time
+
+    from dendrite_nb.magics import live
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(live.time, "perf_counter", lambda: clock["now"])
+    real_generate = Engine.generate
+
+    def generate_with_fake_time(self, *args, **kwargs):
+        def tick(event):
+            if isinstance(event, DecodeStep):
+                clock["now"] += 0.01  # 10 ms per step: 40 steps take 0.4 s
+        with self.subscribe(tick):
+            return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", generate_with_fake_time)
+    _, shown = magic(ip, "gen root -n 40 --ignore-eos")
+    # the first display, then at most one redraw per 0.1 s of the 0.4 s, then the final one
+    assert 2 <= len(shown.outputs) <= 1 + 5 + 1
+    assert time.perf_counter() > 0
+
+
+def test_show_marks_the_fork_points(ip):
+    magic(ip, "fork root a b")
+    magic(ip, "branch a", " one way")
+    magic(ip, "branch b", " another way")
+    magic(ip, "branch a2 --from a", " and more")
+    shown, _ = magic(ip, "show a2")
+    assert shown.text == current_engine().text("a2")
+    assert repr(shown).count("⑂") == 2
+    assert [s.text for s in shown.segments][1:] == [" one way", " and more"]
+    assert "b" in shown.segments[0].forks_after
+    assert "⑂" in shown._repr_html_()
+
+
+def test_views_render_the_tree_blocks_and_throughput(ip):
+    magic(ip, "fork root --n 2")
+    magic(ip, "gen root/* -n 3")
+    tree, _ = magic(ip, "tree")
+    assert len(tree.lines()) == len(current_engine().tree()["nodes"])
+    assert "[root/0]" in repr(tree) and "<pre" in tree._repr_html_()
+    blocks, _ = magic(ip, "blocks")
+    assert blocks._repr_html_().count("class='dendrite-block'") == current_engine().pool.num_blocks
+    throughput, _ = magic(ip, "throughput")
+    assert len(throughput.steps) == 3 and all(s.batch_size == 2 for s in throughput.steps)
+    assert "<svg" in throughput._repr_html_()
+    status, _ = magic(ip, "dendrite status")
+    assert "root/1" in repr(status)
+
+
+def test_an_interrupt_keeps_completed_steps_and_the_next_cell_works(ip):
+    magic(ip, "fork root a b")
+
+    def interrupt_at_step_3(event):
+        if isinstance(event, DecodeStep) and event.step == 2:
+            raise KeyboardInterrupt
+
+    engine = current_engine()
+    with engine.subscribe(interrupt_at_step_3), pytest.raises(GenerationInterrupted):
+        magic(ip, "gen a b -n 10 --ignore-eos")
+    partial = current_session().last_result
+    assert partial.interrupted and partial.steps == 3 and [len(t) for t in partial.tokens] == [3, 3]
+    assert len(engine.branch("a")) == len(engine.branch("root")) + 3
+    engine.audit()
+    result, _ = magic(ip, "gen a b -n 2 --ignore-eos")
+    assert [len(t) for t in result.tokens] == [2, 2]
+    engine.audit()
+
+
+def test_replace_frees_the_first_engine_even_while_a_variable_holds_it(ip, checkpoint):
+    old = current_engine()
+    kv = weakref.ref(old.pool.kv)
+    with pytest.raises(UsageError, match="--replace"):
+        magic(ip, f"dendrite load {checkpoint()}")
+    assert current_engine() is old and not old.closed
+    loaded, _ = magic(ip, f"dendrite load {checkpoint()} --num-blocks 32 --block-size 4 --replace")
+    gc.collect()
+    assert kv() is None and old.closed and "closed" in repr(loaded)
+    assert current_engine() is not old and current_engine().branches == {}
+
+
+def test_demo_loads_the_embedded_model(shell, tmp_path, monkeypatch):
+    monkeypatch.setenv("DENDRITE_NB_CACHE", str(tmp_path))
+    session = current_session()
+    loaded, _ = magic(shell, "dendrite demo --replace --num-blocks 64")
+    assert "demo" in repr(loaded) and current_engine().pool.num_blocks == 64
+    magic(shell, "branch root", "Hello there")
+    assert current_engine().text("root").endswith("Hello there")
+    assert session.engine is current_engine()
+
+
+class FakeKernel:
+    """What ipykernel offers the magics: the execute_request being handled, with the cell's metadata."""
+
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+    def get_parent(self, channel="shell"):
+        return {"metadata": self.metadata, "content": {}}
+
+
+@pytest.fixture
+def cell_metadata(ip, monkeypatch):
+    def set_metadata(metadata):
+        monkeypatch.setattr(ip, "kernel", FakeKernel(metadata), raising=False)
+    return set_metadata
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+@pytest.mark.parametrize("line, cell, message", [
+    ("gen nope", None, "there is no branch 'nope'"),
+    ("gen nope/*", None, "no branch matches 'nope/\\*'"),
+    ("gen root -n 0", None, "--max-tokens takes a count >= 1"),
+    ("gen root --temperature -1", None, "temperature must be >= 0"),
+    ("gen root --top-p 2", None, "top_p must be in"),
+    ("gen root -n 5000", None, "the model allows"),
+    ("gen root -n 1000", None, "OutOfBlocks"),
+    ("gen root --frob", None, "unrecognized arguments"),
+    ("fork root root", None, "already exists"),
+    ("fork root a a", None, "appears twice"),
+    ("fork root --n 0", None, "--n takes a count >= 1"),
+    ("fork root a --n 2", None, "not both"),
+    ("fork nope a", None, "no branch named 'nope'"),
+    ("fork root bad*name", None, "cannot name a branch"),
+    ("prune root nope", None, "there is no branch 'nope'"),
+    ("prune zz*", None, "no branch matches"),
+    ("show nope", None, "no branch named 'nope'"),
+    ("tree extra", None, "takes no arguments"),
+    ("dendrite frob", None, "unknown subcommand 'frob'"),
+    ("dendrite", None, "use %dendrite load"),
+    ("dendrite load /no/such/folder --replace", None, "does not exist|no config"),
+    ("branch root --from root", "x", "already exists"),
+    ("branch new --from nope", "x", "no branch named 'nope'"),
+    ("branch new --gen 3", "", "cell body is empty"),
+    ("branch new --gen -1", "x", "--gen takes"),
+    ("branch new --from root --gen 1000", "more", "OutOfBlocks"),
+    ("branch root --gen 1000", "more", "OutOfBlocks"),
+])
+def test_bad_input_is_a_usage_error_that_changes_nothing(ip, line, cell, message):
+    engine = current_engine()
+    before = engine_state(engine)
+    with pytest.raises(UsageError, match=message):
+        magic(ip, line, cell)
+    assert engine_state(engine) == before
+    assert current_engine() is engine
+    engine.audit()
+
+
+@pytest.mark.parametrize("metadata, inline, message", [
+    ({"dendrite": {"json_schema": SCHEMA}}, "", "constrained decoding is not available yet.*json_schema.*cell metadata"),
+    ({"dendrite": {"json_schema": {"type": "bogus"}}}, "", "not a valid JSON Schema"),
+    ({"dendrite": {"regex": "(unclosed"}}, "", "llguidance cannot compile this regex"),
+    ({"dendrite": {"choices": []}}, "", "non-empty list"),
+    ({"dendrite": {"shema": {}}}, "", "unknown constraint key 'shema'"),
+    ({"dendrite": "json"}, "", "must be an object"),
+    (None, "#| json_schema: $my_schema\n", "constrained decoding is not available yet.*inline options"),
+    (None, "#| json_schema: $undefined_var\n", "not defined"),
+    (None, "#| json_schema: {not json}\n", "not valid JSON"),
+    (None, "#| regex: [a-z\n", "llguidance cannot compile"),
+    (None, "#| colour: red\n", "unknown inline option"),
+    (None, "#| regex: a+\n#| regex: b+\n", "given twice"),
+    ({"dendrite": {"regex": "a+"}}, "#| regex: b+\n", "both in its metadata and in `#|` lines"),
+])
+def test_bad_or_unsupported_constraints_refuse_and_change_nothing(ip, cell_metadata, metadata, inline, message):
+    ip.user_ns["my_schema"] = SCHEMA
+    cell_metadata(metadata)
+    engine = current_engine()
+    before = engine_state(engine)
+    current_session().cell_source = inline + "%gen root -n 3"
+    with pytest.raises(UsageError, match=message):
+        magic(ip, "gen root -n 3")
+    with pytest.raises(UsageError, match=message):
+        magic(ip, "branch new --from root --gen 3", inline + "Answer in JSON:")
+    assert engine_state(engine) == before
+
+
+def test_a_constraint_on_a_cell_that_does_not_generate_is_refused(ip, cell_metadata):
+    cell_metadata({"dendrite": {"regex": "a+"}})
+    before = engine_state(current_engine())
+    with pytest.raises(UsageError, match="does not generate"):
+        magic(ip, "branch new", "text")
+    assert engine_state(current_engine()) == before
+
+
+def test_inline_options_are_stripped_from_the_prompt(ip):
+    from dendrite_nb.magics.cell_options import split_inline_options
+
+    options, body = split_inline_options('\n#| regex: \\d+\n#| choices: ["a"]\nThe prompt\n#| not an option')
+    assert options == {"regex": "\\d+", "choices": '["a"]'}
+    assert body == "The prompt\n#| not an option"
+    assert split_inline_options("plain text") == ({}, "plain text")
+
+
+def test_cells_run_through_the_shell_read_their_own_inline_options(ip):
+    """pre_run_cell hands the session the raw cell, so a %gen line sees the `#|` lines above it."""
+    ip.user_ns["my_schema"] = SCHEMA
+    with capture_output():
+        result = ip.run_cell("#| json_schema: $my_schema\n%gen root -n 2")
+    assert isinstance(result.error_in_exec, UsageError) and "inline options" in str(result.error_in_exec)
+    with capture_output():
+        result = ip.run_cell("%gen root -n 2 --ignore-eos")
+    assert result.success and len(result.result.tokens[0]) == 2
