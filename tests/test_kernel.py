@@ -1,0 +1,121 @@
+"""The magics in a real kernel, driven over ZeroMQ by jupyter_client as JupyterLab drives them:
+execute_requests that carry cell metadata, and Kernel > Interrupt in the middle of a generation."""
+import queue
+import time
+
+import pytest
+
+jupyter_client = pytest.importorskip("jupyter_client")
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("demo-cache")
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    manager.start_kernel(env={**__import__("os").environ, "DENDRITE_NB_CACHE": str(cache)})
+    client = manager.client()
+    client.start_channels()
+    client.wait_for_ready(timeout=TIMEOUT_S)
+    try:
+        yield manager, client
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def execute(client, code, metadata=None, on_first_display=None):
+    """Send one execute_request (with JupyterLab-style cell metadata) and collect its iopub output."""
+    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+               "allow_stdin": False, "stop_on_error": True}
+    message = client.session.msg("execute_request", content, metadata=metadata or {})
+    client.shell_channel.send(message)
+    msg_id = message["header"]["msg_id"]
+    outputs, shown = [], False
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            msg = client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind = msg["msg_type"]
+        if kind == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        if kind in ("stream", "display_data", "execute_result", "error", "update_display_data"):
+            outputs.append((kind, msg["content"]))
+        if kind == "display_data" and on_first_display and not shown:
+            shown = True
+            on_first_display()
+    reply = client.get_shell_msg(timeout=TIMEOUT_S)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    return reply["content"], outputs
+
+
+def text_of(outputs):
+    parts = []
+    for kind, content in outputs:
+        if kind == "stream":
+            parts.append(content["text"])
+        elif kind in ("display_data", "execute_result", "update_display_data"):
+            parts.append(content["data"].get("text/plain", ""))
+        elif kind == "error":
+            parts.append(f"{content['ename']}: {content['evalue']}")
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def loaded(kernel):
+    _, client = kernel
+    for code in ("%load_ext dendrite_nb", "%dendrite demo --num-blocks 256", "%%branch root\nA river blocks the road."):
+        reply, outputs = execute(client, code)
+        assert reply["status"] == "ok", text_of(outputs)
+    return kernel
+
+
+def tree_of(client):
+    reply, outputs = execute(client, "from dendrite_nb.magics import current_engine as _ce\nprint(_ce().tree())")
+    assert reply["status"] == "ok", text_of(outputs)
+    return text_of(outputs)
+
+
+def test_a_json_schema_in_cell_metadata_reaches_the_magic(loaded):
+    _, client = loaded
+    before = tree_of(client)
+    reply, outputs = execute(client, "%gen root -n 4", metadata={"dendrite": {"json_schema": SCHEMA}, "cellId": "c1"})
+    assert reply["status"] == "error" and reply["ename"] == "UsageError"
+    assert "json_schema" in reply["evalue"] and "cell metadata" in reply["evalue"]
+    assert "Traceback" not in text_of(outputs)  # a UsageError shows its message only
+
+    reply, _ = execute(client, "%gen root -n 4", metadata={"dendrite": {"json_schema": {"type": "bogus"}}})
+    assert reply["status"] == "error" and "not a valid JSON Schema" in reply["evalue"]
+    assert tree_of(client) == before
+
+    reply, outputs = execute(client, "%gen root -n 4 --ignore-eos")
+    assert reply["status"] == "ok", text_of(outputs)
+    assert "1 branch, 4 new tokens, 4 steps" in text_of(outputs)
+    assert any(kind == "update_display_data" for kind, _ in outputs)  # streamed in place
+
+
+def test_kernel_interrupt_stops_at_a_step_boundary_and_the_next_cell_works(loaded):
+    manager, client = loaded
+    reply, outputs = execute(client, "from dendrite_nb.magics import current_engine\n"
+                                     "start = len(current_engine().branch('root'))")
+    assert reply["status"] == "ok", text_of(outputs)
+    reply, outputs = execute(client, "%gen root -n 1900 --ignore-eos",
+                             on_first_display=lambda: (time.sleep(0.3), manager.interrupt_kernel()))
+    assert reply["status"] == "error" and reply["ename"] == "GenerationInterrupted", text_of(outputs)
+    assert "interrupted at" in text_of(outputs)
+
+    reply, outputs = execute(client, "from dendrite_nb.magics import current_session\n"
+                                     "e = current_engine(); e.audit(); r = current_session().last_result\n"
+                                     "print(len(e.branch('root')) - start, r.steps, r.interrupted, len(r.tokens[0]))")
+    assert reply["status"] == "ok", text_of(outputs)
+    grown, steps, interrupted, kept = text_of(outputs).split()
+    assert interrupted == "True" and 0 < int(steps) < 1900 and int(grown) == int(steps) == int(kept)
+
+    reply, outputs = execute(client, "%gen root -n 3 --ignore-eos")
+    assert reply["status"] == "ok" and "3 new tokens" in text_of(outputs)
