@@ -250,9 +250,10 @@ class Engine:
                     last_step = not still_active or step == max_new_tokens - 1
                     if not last_step:
                         logits = self.next_logits([resolved[i] for i in still_active])
-                    self._emit(DecodeStep(step, max_new_tokens, tuple(resolved[i].name for i in active),
-                                          tuple(drawn), tuple(resolved[i].name for i in finished),
-                                          time.perf_counter() - started))
+                    if self._listeners:
+                        self._emit(DecodeStep(step, max_new_tokens, tuple(resolved[i].name for i in active),
+                                              tuple(drawn), tuple(resolved[i].name for i in finished),
+                                              time.perf_counter() - started))
                     active = still_active
                     if last_step:
                         break

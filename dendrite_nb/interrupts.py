@@ -17,8 +17,7 @@ class DeferredInterrupt:
 
     def __init__(self):
         self.pending = False
-        self._previous = None
-        self._installed = False
+        self._previous = None  # the handler to restore; None while ours is not installed
 
     def _record(self, signum, frame) -> None:
         self.pending = True
@@ -31,10 +30,9 @@ class DeferredInterrupt:
             if previous is signal.default_int_handler:
                 self._previous = previous
                 signal.signal(signal.SIGINT, self._record)
-                self._installed = True
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
+        if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
+            self._previous = None

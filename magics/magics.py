@@ -281,9 +281,8 @@ class DendriteMagics(Magics):
         engine = self.session.require_engine()
         with user_errors():  # refuse before the live view appears, so a refused cell shows only the error
             engine.check_generate(branches, max_tokens, sampling)
-        live = None
+        live = LiveGeneration(engine, branches, max_tokens)
         try:
-            live = LiveGeneration(engine, branches, max_tokens)
             with engine.subscribe(live), user_errors():
                 outputs = engine.generate(branches, max_tokens, sampling)
         except GenerationInterrupted as interrupted:

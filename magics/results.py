@@ -144,12 +144,7 @@ class Shown(PrettyByRepr):
         return "".join(s.text for s in self.segments)
 
     def __repr__(self) -> str:
-        parts = []
-        for segment in self.segments:
-            parts.append(segment.text)
-            if segment is not self.segments[-1]:
-                parts.append(FORK_MARK)
-        return "".join(parts)
+        return FORK_MARK.join(segment.text for segment in self.segments)
 
     def _repr_html_(self) -> str:
         spans = []

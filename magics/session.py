@@ -53,11 +53,12 @@ class Session:
 
     def install(self, engine: Engine, source: str, replace: bool) -> Engine | None:
         """Make `engine` the session's engine. Returns the engine it replaced (already closed), if any."""
-        old = self.engine
-        if old is not None and not replace:
+        try:
+            self.check_can_load(replace)
+        except UsageError:
             engine.close()
-            raise UsageError(f"a model is already loaded ({self.source}); add --replace to close it and load "
-                             f"this one (its branches will be gone), or keep working with it.")
+            raise
+        old = self.engine
         if old is not None:
             self._subscription.close()
             old.close()

@@ -72,17 +72,17 @@ class BlocksView(PrettyByRepr):
         for block_id in range(drawn):
             block = by_id.get(block_id)
             if block is None:
-                cells.append(f"<span title='block {block_id}: free' style='background:rgba(127,127,127,0.15)'></span>")
-                continue
-            colour = REFCOUNT_COLOURS[min(block["readers"], len(REFCOUNT_COLOURS)) - 1] if block["readers"] else "#999"
-            title = (f"block {block_id}: node {block['node']}, logical {block['logical_index']}, "
-                     f"{block['filled']} tokens, refcount {block['refcount']}, {block['readers']} readers")
-            cells.append(f"<span title='{html.escape(title, quote=True)}' style='background:{colour}'></span>")
+                title, colour = f"block {block_id}: free", "rgba(127,127,127,0.15)"
+            else:
+                colour = REFCOUNT_COLOURS[min(block["readers"], len(REFCOUNT_COLOURS)) - 1] if block["readers"] else "#999"
+                title = (f"block {block_id}: node {block['node']}, logical {block['logical_index']}, "
+                         f"{block['filled']} tokens, refcount {block['refcount']}, {block['readers']} readers")
+            cells.append(f"<span class='dendrite-block' title='{html.escape(title, quote=True)}' "
+                         f"style='width:10px;height:10px;display:inline-block;background:{colour}'></span>")
         more = (f"<div>showing the first {drawn:,} of {self.snapshot['num_blocks']:,} blocks</div>"
                 if drawn < self.snapshot["num_blocks"] else "")
         grid = ("<div style='display:grid;grid-template-columns:repeat(auto-fill,10px);gap:1px;max-width:64em'>"
-                + "".join(cells).replace("<span ", "<span class='dendrite-block' ").replace(
-                    "style='", "style='width:10px;height:10px;display:inline-block;") + "</div>")
+                + "".join(cells) + "</div>")
         legend = " ".join(f"<span style='background:{c};padding:0 4px'>{i + 1}{'+' if i == 4 else ''}</span>"
                           for i, c in enumerate(REFCOUNT_COLOURS))
         return f"<div class='dendrite-blocks'><div>{html.escape(self._summary())}; readers: {legend}</div>{grid}{more}</div>"
