@@ -12,11 +12,12 @@ from .errors import (BranchExists, BranchPruned, CheckpointError, ConstraintErro
 from .events import DecodeStep, TreeChanged
 from .kv import Branch
 from .sampling import SamplingParams
+from .step_history import StepHistory
 
 __version__ = "0.1.0"
 __all__ = ["Branch", "BranchExists", "BranchPruned", "CheckpointError", "Constraint", "ConstraintError",
            "ContextOverflow", "DecodeStep", "DendriteError", "EmptyBranch", "Engine", "GenerationInterrupted",
-           "OutOfBlocks", "SamplingParams", "TreeChanged", "UnknownBranch", "UnsupportedModel", "parse_constraint"]
+           "OutOfBlocks", "SamplingParams", "StepHistory", "TreeChanged", "UnknownBranch", "UnsupportedModel", "parse_constraint"]
 
 
 def load_ipython_extension(ipython) -> None:

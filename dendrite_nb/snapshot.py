@@ -41,6 +41,9 @@ def block_snapshot(tree: BranchTree) -> dict[str, Any]:
                 "filled": min(size, node.end - logical * size),  # slots holding tokens of this node's path
                 "refcount": allocator.refcount(block),
                 "readers": readers[block],  # branches whose block table includes it
+                # A node that starts mid-block got a private copy of its parent's partial block
+                # when it first wrote (copy-on-write); that copy is its first block.
+                "copy_on_write": offset == 0 and node.start % size != 0,
             })
     blocks.sort(key=lambda entry: entry["id"])
     return {"block_size": size, "num_blocks": allocator.num_blocks, "num_free": allocator.num_free,
