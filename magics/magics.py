@@ -21,7 +21,7 @@ from .live import LiveGeneration
 from .results import Branches, Generated, Loaded, Pruned
 from .session import Session, check_new_name, source_label
 from .show import show_branch
-from .views import BlocksView, StatusView, ThroughputView, TreeView, last_call_steps
+from .views import StatusView
 
 SUBCOMMANDS = ("load", "demo", "status")
 CONSTRAINTS_NOT_YET = ("constrained decoding is not available yet (it arrives with the llguidance integration); "
@@ -340,7 +340,12 @@ class DendriteMagics(Magics):
 
     @line_magic
     def tree(self, line: str = ""):
-        """The branch tree: one line per node, with its tokens, blocks and branch names.
+        """The branch tree, live: nodes sized by tokens, labelled by branch, coloured by state.
+
+        Hover a node for its text tail, tokens, block ids and refcounts; click it to select its
+        branch (read it as ``view.selected``; %blocks outlines that branch's blocks); ▾ collapses a
+        subtree. The view keeps updating while later cells fork, generate and prune. A terminal
+        gets the tree as text.
 
         Usage: ``%tree`` (no options)
 
@@ -349,11 +354,14 @@ class DendriteMagics(Magics):
           %tree
         """
         self._no_arguments("tree", line)
-        return TreeView(self.session.require_engine().tree())
+        return self.session.tree_view()
 
     @line_magic
     def blocks(self, line: str = ""):
-        """The KV block pool: one cell per physical block, coloured by how many branches read it.
+        """The KV block pool, live: one cell per physical block, coloured by how many branches read it.
+
+        The branch selected in %tree is outlined; a corner mark shows copy-on-write copies; hover a
+        cell for its node, position and refcount. A canvas, so pools of 100,000 blocks stay smooth.
 
         Usage: ``%blocks`` (no options)
 
@@ -362,11 +370,11 @@ class DendriteMagics(Magics):
           %blocks
         """
         self._no_arguments("blocks", line)
-        return BlocksView(self.session.require_engine().block_table())
+        return self.session.block_table_view()
 
     @line_magic
     def throughput(self, line: str = ""):
-        """Decode throughput of the last generation: tokens/s, step time and batch size per step.
+        """Decode throughput of the latest generation, live: tokens/s, step time and batch size per step.
 
         Usage: ``%throughput`` (no options)
 
@@ -376,8 +384,7 @@ class DendriteMagics(Magics):
           %throughput
         """
         self._no_arguments("throughput", line)
-        self.session.require_engine()
-        return ThroughputView(last_call_steps(self.session))
+        return self.session.throughput_view()
 
     @staticmethod
     def _no_arguments(name: str, line: str) -> None:

@@ -8,41 +8,29 @@ from __future__ import annotations
 
 import fnmatch
 import gc
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import traitlets
 from IPython.core.error import UsageError
 
-from dendrite_nb import DecodeStep, Engine
+from dendrite_nb import Engine, StepHistory
 from dendrite_nb.kv import Branch
+from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView
 
 GLOB_CHARACTERS = "*?["
-THROUGHPUT_HISTORY_STEPS = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    call: int          # which generate call of the session (0-based)
-    step: int          # step index within that call
-    batch_size: int    # branches decoded in the step
-    step_s: float      # wall time, seconds
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch_size / self.step_s if self.step_s > 0 else float("inf")
 
 
 class Session:
     def __init__(self):
         self.engine: Engine | None = None
         self.source: str | None = None           # the checkpoint folder, or "demo"
-        self.steps: deque[StepRecord] = deque(maxlen=THROUGHPUT_HISTORY_STEPS)
-        self.generate_calls = 0
+        self.history = StepHistory()             # step timings of the latest generation, for %throughput
         self.cell_source: str | None = None      # the raw text of the cell now running (pre_run_cell)
         self.last_result: Any = None             # the last generation's result, kept even when interrupted
         self._subscription = None
+        self._views: dict[str, Any] = {}         # one live view of each kind per engine, made on first use
+        self._selection_link = None
 
     # ---- the engine -----------------------------------------------------------------------------
     def require_engine(self) -> Engine:
@@ -60,13 +48,13 @@ class Session:
             raise
         old = self.engine
         if old is not None:
+            self.close_views()
             self._subscription.close()
             old.close()
             gc.collect()
         self.engine, self.source = engine, source
-        self.steps.clear()
-        self.generate_calls = 0
-        self._subscription = engine.subscribe(self._record)
+        self.history = StepHistory()
+        self._subscription = engine.subscribe(self.history)
         return old
 
     def check_can_load(self, replace: bool) -> None:
@@ -75,11 +63,37 @@ class Session:
             raise UsageError(f"a model is already loaded ({self.source}); add --replace to close it and load "
                              f"another (its branches will be gone), or keep working with it.")
 
-    def _record(self, event: Any) -> None:
-        if isinstance(event, DecodeStep):
-            if event.step == 0:
-                self.generate_calls += 1
-            self.steps.append(StepRecord(self.generate_calls - 1, event.step, event.batch_size, event.step_s))
+    # ---- live views -------------------------------------------------------------------------------
+    # One of each per engine: `%tree` run twice shows two views of one model, not two listeners.
+    def tree_view(self) -> TreeView:
+        return self._view("tree", lambda engine: TreeView(engine))
+
+    def block_table_view(self) -> BlockTableView:
+        return self._view("blocks", lambda engine: BlockTableView(engine))
+
+    def throughput_view(self) -> ThroughputView:
+        return self._view("throughput", lambda engine: ThroughputView(engine, self.history))
+
+    def _view(self, kind: str, make) -> Any:
+        engine = self.require_engine()
+        if kind not in self._views:
+            self._views[kind] = make(engine)
+            self._link_selection()
+        return self._views[kind]
+
+    def _link_selection(self) -> None:
+        """Clicking a node in %tree outlines that branch's blocks in %blocks."""
+        if self._selection_link is None and {"tree", "blocks"} <= self._views.keys():
+            self._selection_link = traitlets.link((self._views["tree"], "selected"),
+                                                  (self._views["blocks"], "selected"))
+
+    def close_views(self) -> None:
+        if self._selection_link is not None:
+            self._selection_link.unlink()
+            self._selection_link = None
+        for view in self._views.values():
+            view.close()
+        self._views.clear()
 
     # ---- branch selection -----------------------------------------------------------------------
     def select(self, patterns: list[str]) -> list[Branch]:

@@ -4,6 +4,7 @@ import weakref
 
 import pytest
 from IPython.core.error import UsageError
+from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 
@@ -16,7 +17,7 @@ PROMPT = "The river is wide and cold. First idea:"
 
 @pytest.fixture(scope="module")
 def shell():
-    ip = start_ipython()
+    ip = start_ipython() or get_ipython()   # the global test shell, made once per process
     ip.run_line_magic("load_ext", "dendrite_nb")
     return ip
 
@@ -26,6 +27,7 @@ def ip(shell, checkpoint):
     """The shell with a fresh small engine on the tiny test checkpoint, and a prompt in branch 'root'."""
     session = current_session()
     if session.engine is not None:
+        session.close_views()
         session.engine.close()
     session.engine = None
     session.install(Engine.from_pretrained(checkpoint(), num_blocks=48, block_size=4, debug=True), "test", False)
@@ -59,6 +61,7 @@ def test_every_magic_documents_usage_options_and_examples(shell):
 def test_magics_before_a_model_is_loaded_say_how_to_load_one(shell):
     session = current_session()
     if session.engine is not None:
+        session.close_views()
         session.engine.close()
     session.engine = None
     for line in ("gen root", "fork root --n 2", "prune root", "show root", "tree", "blocks", "throughput",
@@ -135,19 +138,38 @@ def test_show_marks_the_fork_points(ip):
     assert "⑂" in shown._repr_html_()
 
 
-def test_views_render_the_tree_blocks_and_throughput(ip):
+def test_views_are_live_widgets_of_the_session_engine(ip):
+    import numpy as np
+    from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView
+
     magic(ip, "fork root --n 2")
     magic(ip, "gen root/* -n 3")
     tree, _ = magic(ip, "tree")
-    assert len(tree.lines()) == len(current_engine().tree()["nodes"])
-    assert "[root/0]" in repr(tree) and "<pre" in tree._repr_html_()
     blocks, _ = magic(ip, "blocks")
-    assert blocks._repr_html_().count("class='dendrite-block'") == current_engine().pool.num_blocks
     throughput, _ = magic(ip, "throughput")
-    assert len(throughput.steps) == 3 and all(s.batch_size == 2 for s in throughput.steps)
-    assert "<svg" in throughput._repr_html_()
+    assert isinstance(tree, TreeView) and isinstance(blocks, BlockTableView) and isinstance(throughput, ThroughputView)
+    assert len(tree._nodes) == len(current_engine().tree()["nodes"]) and "[root/0]" in repr(tree)
+    assert np.frombuffer(throughput._batch_sizes, np.uint32).tolist() == [2, 2, 2]  # the steps before the view
+    assert magic(ip, "tree")[0] is tree   # one model per engine: a second %tree is another view of it
+    magic(ip, "gen root/0 -n 2")          # a later cell updates the views already shown
+    assert np.frombuffer(throughput._batch_sizes, np.uint32).tolist() == [1, 1]
+    fresh = TreeView(current_engine())
+    assert tree._nodes == fresh._nodes
+    fresh.close()
+    readers = np.frombuffer(blocks._readers, np.uint16)
+    assert (readers > 0).sum() == len(current_engine().block_table()["blocks"])
+    tree.selected = "root/1"              # the tree's selection outlines the branch in the block table
+    assert blocks.selected == "root/1"
+    assert np.frombuffer(blocks._selected_blocks, np.int32).tolist() == current_engine().block_table()["branches"]["root/1"]
     status, _ = magic(ip, "dendrite status")
     assert "root/1" in repr(status)
+
+
+def test_loading_another_model_closes_the_views_of_the_old_one(ip, checkpoint):
+    tree, _ = magic(ip, "tree")
+    magic(ip, f"dendrite load {checkpoint()} --replace --num-blocks 16")
+    assert tree.comm is None and tree._feed.pending is False
+    assert magic(ip, "tree")[0] is not tree
 
 
 def test_an_interrupt_keeps_completed_steps_and_the_next_cell_works(ip):

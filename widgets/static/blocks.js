@@ -1,0 +1,159 @@
+// BlockTableView front end: one canvas cell per physical KV block, coloured by readers.
+// A canvas keeps a 100,000-block pool to one paint of a few milliseconds, where one element per
+// block would stall the page. The canvas carries its geometry in data-* attributes so a test (or a
+// user's own script) can find block i at column i % columns, row floor(i / columns).
+const READER_BUCKETS = 5;   // colours for 1, 2, 3, 4 and 5+ readers
+
+function typed(Kind, view) {
+  if (!view || view.byteLength === 0) return new Kind(0);
+  return new Kind(view.buffer.slice(view.byteOffset, view.byteOffset + view.byteLength));
+}
+function cellPixels(numBlocks) {
+  if (numBlocks <= 4096) return 10;
+  if (numBlocks <= 16384) return 6;
+  return 3;
+}
+function cssColour(root, name) {
+  return getComputedStyle(root).getPropertyValue(name).trim();
+}
+
+function render({ model, el }) {
+  const root = document.createElement("div");
+  root.className = "dendrite-view dendrite-blocks-view";
+  const summary = document.createElement("div");
+  summary.className = "dendrite-summary";
+  const error = document.createElement("div");
+  error.className = "dendrite-error";
+  const legend = document.createElement("div");
+  legend.className = "dendrite-legend";
+  const swatch = (attributes, style, text) => {
+    const item = document.createElement("span");
+    const mark = document.createElement("span");
+    mark.className = "dendrite-swatch";
+    for (const [key, value] of Object.entries(attributes)) mark.setAttribute(key, value);
+    mark.setAttribute("style", style);
+    item.append(mark, text);
+    legend.appendChild(item);
+  };
+  swatch({ "data-readers": "0" }, "background:var(--dendrite-free)", "free");
+  for (let r = 1; r <= READER_BUCKETS; r++) {
+    swatch({ "data-readers": String(r) }, `background:var(--dendrite-readers-${r})`,
+           `${r}${r === READER_BUCKETS ? "+" : ""} branch${r === 1 ? "" : "es"}`);
+  }
+  swatch({}, "background:transparent;border:2px solid var(--dendrite-selected)", "selected branch");
+  swatch({}, "background:linear-gradient(135deg, var(--dendrite-copy) 50%, transparent 50%)", "copy-on-write copy");
+  const scroll = document.createElement("div");
+  scroll.className = "dendrite-scroll";
+  const canvas = document.createElement("canvas");
+  canvas.className = "dendrite-blocks";
+  scroll.appendChild(canvas);
+  const tooltip = document.createElement("div");
+  tooltip.className = "dendrite-tooltip";
+  root.append(summary, error, legend, scroll, tooltip);
+  el.appendChild(root);
+
+  let data = null;
+  function read() {
+    data = {
+      numBlocks: model.get("_num_blocks"),
+      blockSize: model.get("_block_size"),
+      readers: typed(Uint16Array, model.get("_readers")),
+      refcounts: typed(Uint16Array, model.get("_refcounts")),
+      nodes: typed(Int32Array, model.get("_nodes")),
+      logical: typed(Int32Array, model.get("_logical")),
+      filled: typed(Uint16Array, model.get("_filled")),
+      copies: typed(Uint8Array, model.get("_copy_on_write")),
+      selectedBlocks: typed(Int32Array, model.get("_selected_blocks")),
+    };
+    summary.textContent = model.get("_summary");
+    error.textContent = model.get("_error") ? `not updating: ${model.get("_error")}` : "";
+  }
+
+  function paint() {
+    const { numBlocks, readers, copies, selectedBlocks } = data;
+    const cell = cellPixels(numBlocks);
+    const gap = cell >= 6 ? 1 : 0;
+    const pitch = cell + gap;
+    const widthPx = Math.max(200, Math.min(scroll.clientWidth || 800, 1200));
+    const columns = Math.max(1, Math.floor(widthPx / pitch));
+    const rows = Math.max(1, Math.ceil(numBlocks / columns));
+    const ratio = window.devicePixelRatio || 1;
+    canvas.style.width = `${columns * pitch}px`;
+    canvas.style.height = `${rows * pitch}px`;
+    canvas.width = Math.round(columns * pitch * ratio);
+    canvas.height = Math.round(rows * pitch * ratio);
+    Object.assign(canvas.dataset, { columns, pitch, cell, numBlocks });
+    const context = canvas.getContext("2d");
+    context.setTransform(ratio, 0, 0, ratio, 0, 0);
+
+    // One fillStyle per colour, then every cell of that colour: far fewer state changes than per cell.
+    const buckets = Array.from({ length: READER_BUCKETS + 1 }, () => []);
+    for (let i = 0; i < numBlocks; i++) buckets[Math.min(readers[i], READER_BUCKETS)].push(i);
+    buckets.forEach((cells, bucket) => {
+      context.fillStyle = cssColour(root, bucket === 0 ? "--dendrite-free" : `--dendrite-readers-${bucket}`);
+      for (const i of cells) context.fillRect((i % columns) * pitch, Math.floor(i / columns) * pitch, cell, cell);
+    });
+    context.fillStyle = cssColour(root, "--dendrite-copy");
+    const corner = Math.max(2, Math.floor(cell / 2));
+    for (let i = 0; i < numBlocks; i++) {
+      if (!copies[i]) continue;
+      const left = (i % columns) * pitch, top = Math.floor(i / columns) * pitch;
+      context.beginPath();
+      context.moveTo(left, top);
+      context.lineTo(left + corner, top);
+      context.lineTo(left, top + corner);
+      context.fill();
+    }
+    context.strokeStyle = cssColour(root, "--dendrite-selected");
+    context.lineWidth = cell >= 6 ? 1.5 : 1;
+    for (const i of selectedBlocks) {
+      context.strokeRect((i % columns) * pitch + 0.5, Math.floor(i / columns) * pitch + 0.5, cell - 1, cell - 1);
+    }
+  }
+
+  function describe(i) {
+    if (data.nodes[i] < 0) return `block ${i}: free`;
+    const lines = [
+      `block ${i}`,
+      `node ${data.nodes[i]}, logical block ${data.logical[i]} (tokens ${data.logical[i] * data.blockSize}–${data.logical[i] * data.blockSize + data.filled[i] - 1})`,
+      `${data.filled[i]} of ${data.blockSize} slots filled`,
+      `read by ${data.readers[i]} branch${data.readers[i] === 1 ? "" : "es"}, refcount ${data.refcounts[i]}`,
+    ];
+    if (data.copies[i]) lines.push("a copy-on-write copy of its parent's partial block");
+    if (data.selectedBlocks.includes(i)) lines.push(`in ${model.get("selected")}'s block table`);
+    return lines.join("\n");
+  }
+
+  canvas.addEventListener("mousemove", (event) => {
+    const box = canvas.getBoundingClientRect();
+    const pitch = Number(canvas.dataset.pitch), columns = Number(canvas.dataset.columns);
+    const column = Math.floor((event.clientX - box.left) / pitch), row = Math.floor((event.clientY - box.top) / pitch);
+    const i = row * columns + column;
+    if (column >= columns || i >= data.numBlocks) { tooltip.style.display = "none"; return; }
+    tooltip.textContent = describe(i);
+    tooltip.style.display = "block";
+    tooltip.style.left = `${event.clientX + 12}px`;
+    tooltip.style.top = `${event.clientY + 12}px`;
+  });
+  canvas.addEventListener("mouseleave", () => { tooltip.style.display = "none"; });
+
+  // Backbone fires one change:* event per trait of a message; repaint once per frame instead.
+  let queued = false;
+  const update = () => {
+    if (queued) return;
+    queued = true;
+    requestAnimationFrame(() => { queued = false; read(); paint(); });
+  };
+  const events = "change:_readers change:_nodes change:_copy_on_write change:_selected_blocks change:_num_blocks change:_summary change:_error";
+  model.on(events, update);
+  // Theme switches change the CSS colours the canvas was painted with.
+  const themeWatch = new MutationObserver(paint);
+  themeWatch.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-light", "data-jp-theme-name"] });
+  const resizeWatch = new ResizeObserver(() => paint());
+  resizeWatch.observe(scroll);
+  read();
+  paint();
+  return () => { model.off(events, update); themeWatch.disconnect(); resizeWatch.disconnect(); };
+}
+
+export default { render };
