@@ -7,10 +7,16 @@ from dendrite_nb.testing import TINY_SHAPES, write_tiny_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):
+    from lab_session import missing_requirements
+
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on a GPU machine with `pytest -m gpu`")
+    missing = missing_requirements()
+    skip_browser = pytest.mark.skip(reason="the browser test needs " + "; ".join(missing))
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if "browser" in item.keywords and missing:
+            item.add_marker(skip_browser)
 
 
 @pytest.fixture(scope="session")
