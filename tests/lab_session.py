@@ -121,15 +121,16 @@ def chromium_page(viewport=(1400, 1000)):
 
 def open_notebook(page, url: str, name: str) -> None:
     """Open `name` in JupyterLab and wait until its kernel is idle."""
-    page.goto(f"{url}/lab?token={TOKEN}")
+    page.goto(f"{url}/lab?reset&token={TOKEN}")   # reset: no tabs restored from an earlier test
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.commands.hasCommand('docmanager:open')")
     page.evaluate("(path) => { window.jupyterapp.commands.execute('docmanager:open', {path, factory: 'Notebook'}); }", name)
     page.wait_for_selector(".jp-Notebook .jp-Cell")
-    page.wait_for_function("""() => {
+    page.wait_for_function("""(path) => {
         const status = document.querySelector('.jp-Notebook-ExecutionIndicator');
+        const panel = [...window.jupyterapp.shell.widgets('main')].find(w => w.context?.path === path);
         return status && status.dataset.status === 'idle'
-            && window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.connectionStatus === 'connected';
-    }""")
+            && panel?.sessionContext.session?.kernel?.connectionStatus === 'connected';
+    }""", arg=name)
 
 
 def run_all_cells(page, timeout_s: float) -> None:
@@ -139,13 +140,14 @@ def run_all_cells(page, timeout_s: float) -> None:
     wait_until_executed(page, timeout_s)
 
 
-def run_cell(page, index: int, timeout_s: float) -> None:
-    """Run one cell (0-based) as a user would with Shift-Enter on it."""
-    page.evaluate("""(index) => {
-        const notebook = window.jupyterapp.shell.currentWidget.content;
-        notebook.activeCellIndex = index;
+def run_cell(page, name: str, index: int, timeout_s: float) -> None:
+    """Run one cell (0-based) of notebook `name` as a user would with Shift-Enter on it."""
+    page.evaluate("""([path, index]) => {
+        const panel = [...window.jupyterapp.shell.widgets('main')].find(w => w.context?.path === path);
+        window.jupyterapp.shell.activateById(panel.id);
+        panel.content.activeCellIndex = index;
         window.jupyterapp.commands.execute('notebook:run-cell');
-    }""", index)
+    }""", [name, index])
     wait_until_executed(page, timeout_s)
 
 

@@ -46,27 +46,36 @@ TREE_NODES = """() => [...document.querySelectorAll('.dendrite-tree-view g.dendr
     id: Number(g.dataset.nodeId), label: g.querySelector('text.dendrite-label').textContent,
     selected: g.dataset.selected === 'true'}))"""
 
-# For every block: the RGB at its cell's centre, and (for the outline) at the middle of its right edge,
-# next to the legend's colours, all read from the pixels the page actually painted.
-BLOCK_PIXELS = """() => {
-    const canvas = document.querySelector('.dendrite-blocks-view canvas');
+# Compares every painted block cell with the engine's block table, inside the page (one read of the
+# canvas pixels): the centre of cell i must be the legend's colour for its reader count (0 = free),
+# and each block of the selected branch must carry the outline colour on its right edge.
+CHECK_BLOCKS = """([readers, selected]) => {
+    const view = [...document.querySelectorAll('.dendrite-blocks-view')].pop();
+    const canvas = view.querySelector('canvas');
     const [columns, pitch, cell, numBlocks] = ['columns', 'pitch', 'cell', 'numBlocks'].map(k => Number(canvas.dataset[k]));
     const ratio = canvas.width / canvas.clientWidth;
-    const context = canvas.getContext('2d');
-    const rgb = (x, y) => Array.from(context.getImageData(Math.floor(x * ratio), Math.floor(y * ratio), 1, 1).data.slice(0, 3));
-    const parse = (css) => css.match(/\\d+/g).slice(0, 3).map(Number);
+    const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+    const rgb = (x, y) => { const at = 4 * (Math.floor(y * ratio) * canvas.width + Math.floor(x * ratio));
+                            return [pixels[at], pixels[at + 1], pixels[at + 2]].join(','); };
+    const parse = (css) => css.match(/\\d+/g).slice(0, 3).join(',');
     const legend = {};
-    document.querySelectorAll('.dendrite-blocks-view .dendrite-swatch[data-readers]').forEach(s => {
-        legend[s.dataset.readers] = parse(getComputedStyle(s).backgroundColor);
-    });
-    const view = document.querySelector('.dendrite-blocks-view');
-    const selectedColour = getComputedStyle(view).getPropertyValue('--dendrite-selected').trim();
-    const cells = [];
-    for (let i = 0; i < Number(numBlocks); i++) {
-        const left = (i % columns) * pitch, top = Math.floor(i / columns) * pitch;
-        cells.push({ centre: rgb(left + cell / 2, top + cell / 2), edge: rgb(left + cell - 1, top + cell / 2) });
+    view.querySelectorAll('.dendrite-swatch[data-readers]').forEach(s => { legend[s.dataset.readers] = parse(getComputedStyle(s).backgroundColor); });
+    const hex = getComputedStyle(view).getPropertyValue('--dendrite-selected').trim();
+    const outline = [1, 3, 5].map(i => parseInt(hex.slice(i, i + 2), 16)).join(',');
+    const problems = [];
+    const at = (i) => [(i % columns) * pitch, Math.floor(i / columns) * pitch];
+    if (numBlocks !== readers.length) problems.push(`the canvas has ${numBlocks} cells, the pool ${readers.length} blocks`);
+    for (let i = 0; i < readers.length && problems.length < 20; i++) {
+        const [left, top] = at(i);
+        const want = legend[String(Math.min(readers[i], 5))], got = rgb(left + cell / 2, top + cell / 2);
+        if (got !== want) problems.push(`block ${i} (${readers[i]} readers): painted ${got}, legend ${want}`);
     }
-    return { legend, cells, selectedColour };
+    for (const i of selected) {
+        const [left, top] = at(i);
+        const got = rgb(left + cell - 1, top + cell / 2);
+        if (got !== outline) problems.push(`block ${i} of the selected branch: edge ${got}, outline ${outline}`);
+    }
+    return { problems, legend, paintMs: Number(canvas.dataset.paintMs) };
 }"""
 
 PLOT_POINTS = """() => {
@@ -89,27 +98,11 @@ START_SAMPLING = """() => {
 STOP_SAMPLING = "() => { clearInterval(window.__dendriteSampler); return window.__dendriteSamples; }"
 
 
-def expected_colour(legend: dict, readers: int) -> list[int]:
-    return legend[str(min(readers, 5))]
-
-
-def hex_rgb(colour: str) -> list[int]:
-    colour = colour.lstrip("#")
-    return [int(colour[i:i + 2], 16) for i in (0, 2, 4)]
-
-
-def check_block_pixels(painted: dict, blocks: dict, selected_table: list[int]) -> list[str]:
-    readers = {b["id"]: b["readers"] for b in blocks["blocks"]}
-    problems = []
-    for block_id, cell in enumerate(painted["cells"]):
-        want = expected_colour(painted["legend"], readers.get(block_id, 0))
-        if cell["centre"] != want:
-            problems.append(f"block {block_id}: painted {cell['centre']}, legend says {want}")
-    for block_id in selected_table:
-        if painted["cells"][block_id]["edge"] != hex_rgb(painted["selectedColour"]):
-            problems.append(f"block {block_id} of the selected branch is not outlined: its edge is "
-                            f"{painted['cells'][block_id]['edge']}, the outline colour {painted['selectedColour']}")
-    return problems
+def readers_per_block(blocks: dict) -> list[int]:
+    readers = [0] * blocks["num_blocks"]
+    for block in blocks["blocks"]:
+        readers[block["id"]] = block["readers"]
+    return readers
 
 
 def luminance(rgb: list[int]) -> float:
@@ -145,9 +138,8 @@ def test_the_three_views_show_the_engine_state_live_in_jupyterlab(lab):
         assert {"a", "b", "prompt/1", "prompt/2"} <= set(labels.values())
 
         # The block table: every painted cell in its legend colour, free cells in the free colour.
-        painted = page.evaluate(BLOCK_PIXELS)
-        assert len(painted["cells"]) == expected["blocks"]["num_blocks"]
-        assert check_block_pixels(painted, expected["blocks"], []) == []
+        readers = readers_per_block(expected["blocks"])
+        assert page.evaluate(CHECK_BLOCKS, [readers, []])["problems"] == []
 
         # The throughput plot: one point per decode step of the latest generation.
         assert expected["steps"] == LONG_STEPS and page.evaluate(PLOT_POINTS) == LONG_STEPS
@@ -156,16 +148,31 @@ def test_the_three_views_show_the_engine_state_live_in_jupyterlab(lab):
         during = [s["points"] for s in samples if s["busy"] and 0 < s["points"] < LONG_STEPS]
         assert len(set(during)) >= 2, f"no live updates seen while the cell ran: {samples[-20:]}"
 
+        # Hovering node 'a' shows its tokens, blocks and text tail; ▾ on prompt/0 folds a and b away.
+        node_a = ".dendrite-tree-view g.dendrite-node:has(text.dendrite-label:text-is('a'))"
+        page.hover(f"{node_a} circle")
+        tip = page.locator(".dendrite-tree-view .dendrite-tooltip")
+        tip.wait_for(state="visible")
+        a = next(n for n in expected["tree"]["nodes"] if n["branches"] == ["a"])
+        assert "branches: a" in tip.text_content()
+        assert f"tokens: {a['num_tokens']:,}" in tip.text_content()
+        assert f"blocks: {', '.join(map(str, a['blocks'][:24]))}" in tip.text_content()
+        fold = ".dendrite-tree-view g.dendrite-node:has(text.dendrite-label:text-is('prompt/0')) text.dendrite-toggle"
+        page.click(fold)
+        page.wait_for_function(f"() => ({TREE_NODES})().length === {len(shown) - 2}")
+        page.click(fold)
+        page.wait_for_function(f"() => ({TREE_NODES})().length === {len(shown)}")
+
         # A click on node 'a' selects it: the tree marks it, the block table outlines its blocks,
         # and Python reads the selection.
-        page.click(".dendrite-tree-view g.dendrite-node:has(text.dendrite-label:text-is('a')) circle")
+        page.click(f"{node_a} circle")
         page.wait_for_function("() => document.querySelector(\".dendrite-tree-view g.dendrite-node[data-selected='true']\")")
-        run_cell(page, EXPECTED_CELL, timeout_s=60)
+        run_cell(page, "views.ipynb", EXPECTED_CELL, timeout_s=60)
         expected = read_json(root / "expected.json")
         assert expected["selected"] == "a" and expected["outlined"] == "a"
         page.wait_for_timeout(300)
-        painted = page.evaluate(BLOCK_PIXELS)
-        assert check_block_pixels(painted, expected["blocks"], expected["blocks"]["branches"]["a"]) == []
+        outlined = expected["blocks"]["branches"]["a"]
+        assert page.evaluate(CHECK_BLOCKS, [readers, outlined])["problems"] == []
         for name, cell_index in (("tree", TREE_CELL), ("blocks", BLOCKS_CELL), ("throughput", THROUGHPUT_CELL)):
             page.locator(".jp-Cell").nth(cell_index).locator(".jp-OutputArea").screenshot(
                 path=str(ARTIFACTS / f"{name}.png"))
@@ -177,7 +184,36 @@ def test_the_three_views_show_the_engine_state_live_in_jupyterlab(lab):
         label_rgb = page.evaluate("""() => getComputedStyle(document.querySelector('.dendrite-tree-view text.dendrite-label'))
                                         .fill.match(/\\d+/g).slice(0, 3).map(Number)""")
         assert luminance(label_rgb) > 0.6, label_rgb
-        painted = page.evaluate(BLOCK_PIXELS)
-        assert luminance(painted["legend"]["0"]) < 0.35   # free cells are dark on a dark page
-        assert check_block_pixels(painted, expected["blocks"], expected["blocks"]["branches"]["a"]) == []
+        dark = page.evaluate(CHECK_BLOCKS, [readers, outlined])
+        assert dark["problems"] == []
+        assert luminance([int(c) for c in dark["legend"]["0"].split(",")]) < 0.35   # free cells dark on a dark page
         page.screenshot(path=str(ARTIFACTS / "views-dark.png"), full_page=True)
+
+
+BIG_POOL_CELLS = [
+    "from dendrite_nb import Engine, SamplingParams\n"
+    "from dendrite_nb.testing import demo_checkpoint\n"
+    "from dendrite_nb.widgets import BlockTableView\n"
+    "engine = Engine.from_pretrained(demo_checkpoint(), num_blocks=100_000, block_size=1)\n"
+    "engine.new_branch('doc', 'A long shared document. ' * 20)\n"
+    "engine.generate(engine.fork('doc', 64), 40, SamplingParams(ignore_eos=True))\n"
+    "BlockTableView(engine)",
+    "import json\n"
+    "json.dump(engine.block_table(), open('big_expected.json', 'w'))",
+]
+
+
+def test_a_100k_block_pool_paints_every_cell_quickly(lab):
+    url, root = lab
+    write_notebook(root / "big_pool.ipynb", BIG_POOL_CELLS)
+    with chromium_page() as page:
+        open_notebook(page, url, "big_pool.ipynb")
+        run_all_cells(page, timeout_s=300)
+        assert cell_errors(page) == []
+        blocks = read_json(root / "big_expected.json")
+        page.wait_for_function("() => document.querySelector('.dendrite-blocks-view canvas')?.dataset.paintMs")
+        result = page.evaluate(CHECK_BLOCKS, [readers_per_block(blocks), []])
+        assert result["problems"] == []
+        # One paint of 100,000 cells must fit well inside a frame budget of a few frames.
+        assert result["paintMs"] < 100, result["paintMs"]
+        page.locator(".dendrite-blocks-view").screenshot(path=str(ARTIFACTS / "blocks-100k.png"))

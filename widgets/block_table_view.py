@@ -67,7 +67,7 @@ class BlockTableView(EngineView):
             "selected": selected,
             "_selected_blocks": np.asarray(snapshot["branches"].get(selected, []), dtype=np.int32).tobytes(),
             "_summary": (f"{len(snapshot['blocks']):,} of {num_blocks:,} KV blocks in use "
-                         f"({snapshot['block_size']} tokens each), {shared:,} read by more than one branch, "
+                         f"({snapshot['block_size']} token{'s' if snapshot['block_size'] != 1 else ''} each), {shared:,} read by more than one branch, "
                          f"{int(copies.sum()):,} copy-on-write copies, {snapshot['num_free']:,} free"),
         }
 
