@@ -26,14 +26,19 @@ SERVER_START_TIMEOUT_S = 90
 
 
 def chromium_path() -> str | None:
-    return os.environ.get("DENDRITE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    """DENDRITE_CHROMIUM if it names an executable, else `chromium` on the PATH."""
+    chosen = os.environ.get("DENDRITE_CHROMIUM")
+    if chosen:
+        return chosen if os.access(chosen, os.X_OK) else None
+    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def missing_requirements() -> list[str]:
     """What this machine lacks for the browser tests (empty when they can run)."""
     missing = []
     if chromium_path() is None:
-        missing.append("Chromium (`apt-get install chromium`, or set DENDRITE_CHROMIUM to a Chromium binary)")
+        missing.append("Chromium: `apt-get install chromium`, or set DENDRITE_CHROMIUM to a Chromium binary "
+                       f"(DENDRITE_CHROMIUM={os.environ.get('DENDRITE_CHROMIUM', 'unset')})")
     for module, package in (("playwright", "playwright"), ("jupyterlab", "jupyterlab")):
         try:
             __import__(module)

@@ -10,7 +10,7 @@ import pytest
 from comm.base_comm import BaseComm
 from traitlets import Bytes
 
-from dendrite_nb import Engine, SamplingParams
+from dendrite_nb import DecodeStep, Engine, SamplingParams
 from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView, node_label
 from dendrite_nb.widgets.feed import ThrottledFeed
 from conftest import engine_state
@@ -243,3 +243,19 @@ def test_front_end_files_import_nothing_from_the_network_and_stay_small():
         assert not re.search(r"""(import|from)\s*\(?\s*["']https?:""", text), path.name
         assert "url(http" not in text, path.name
         assert path.stat().st_size < 50_000, path.name
+
+
+def test_a_slow_view_widens_its_gap_to_keep_its_share_of_the_engine_small(eng):
+    """An update costing 20 ms may come at most every 400 ms (5% of the time), not every 100 ms."""
+    clock = FakeClock()
+
+    def slow_update():
+        clock.now += 0.02
+
+    feed = ThrottledFeed(eng, slow_update, clock=clock)
+    for step in range(100):   # 100 steps of 10 ms each: 1 s of decoding
+        clock.now += 0.01
+        feed._on_event(DecodeStep(step, 100, ("root",), (1,), (), 0.01))
+    assert feed.gap_s == pytest.approx(0.02 / 0.05)
+    assert 2 <= feed.flushes <= 1.0 / 0.4 + 2   # instead of the ~10 a cheap view would send
+    feed.close()

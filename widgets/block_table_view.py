@@ -32,11 +32,7 @@ class BlockTableView(EngineView):
 
     @traitlets.validate("selected")
     def _check_selected(self, proposal):
-        name = proposal["value"]
-        if name is not None and name not in self._engine.branches:
-            raise traitlets.TraitError(f"there is no branch {name!r} to outline; the branches are: "
-                                       f"{', '.join(sorted(self._engine.branches)) or 'none'}.")
-        return name
+        return self._live_branch(proposal["value"], "outline")
 
     @traitlets.observe("selected")
     def _outline_selected(self, change) -> None:
@@ -46,17 +42,19 @@ class BlockTableView(EngineView):
     def _state(self) -> dict[str, Any]:
         snapshot = self._engine.block_table()
         num_blocks = snapshot["num_blocks"]
-        readers = np.zeros(num_blocks, dtype=np.uint16)
-        refcounts = np.zeros(num_blocks, dtype=np.uint16)
-        nodes = np.full(num_blocks, -1, dtype=np.int32)
-        logical = np.full(num_blocks, -1, dtype=np.int32)
-        filled = np.zeros(num_blocks, dtype=np.uint16)
-        copies = np.zeros(num_blocks, dtype=np.uint8)
-        for block in snapshot["blocks"]:
-            i = block["id"]
-            readers[i] = min(block["readers"], MAX_READERS_SENT)
-            refcounts[i], nodes[i], logical[i] = block["refcount"], block["node"], block["logical_index"]
-            filled[i], copies[i] = block["filled"], block["copy_on_write"]
+        used = snapshot["blocks"]
+
+        def column(key: str, dtype, free_value: int = 0) -> np.ndarray:
+            """One value per physical block: `key` of the blocks in use, `free_value` for the free ones."""
+            values = np.full(num_blocks, free_value, dtype=dtype)
+            values[ids] = np.fromiter((block[key] for block in used), dtype=np.int64, count=len(used))
+            return values
+
+        ids = np.fromiter((block["id"] for block in used), dtype=np.int64, count=len(used))
+        readers = np.minimum(column("readers", np.int64), MAX_READERS_SENT).astype(np.uint16)
+        refcounts = column("refcount", np.uint16)
+        nodes, logical = column("node", np.int32, -1), column("logical_index", np.int32, -1)
+        filled, copies = column("filled", np.uint16), column("copy_on_write", np.uint8)
         selected = getattr(self, "selected", None)
         selected = selected if selected in snapshot["branches"] else None   # None once pruned
         shared = int((readers > 1).sum())

@@ -53,6 +53,13 @@ class EngineView(anywidget.AnyWidget):
             for name, value in state.items():
                 setattr(self, name, value)
 
+    def _live_branch(self, name: str | None, verb: str) -> str | None:
+        """`name` if it is None or a live branch; otherwise a TraitError that lists the branches."""
+        if name is not None and name not in self._engine.branches:
+            raise traitlets.TraitError(f"there is no branch {name!r} to {verb}; the branches are: "
+                                       f"{', '.join(sorted(self._engine.branches)) or 'none'}.")
+        return name
+
     def _note(self, event: Event) -> None:
         pass
 

@@ -71,11 +71,7 @@ class TreeView(EngineView):
 
     @traitlets.validate("selected")
     def _check_selected(self, proposal):
-        name = proposal["value"]
-        if name is not None and name not in self._engine.branches:
-            raise traitlets.TraitError(f"there is no branch {name!r} to select; the branches are: "
-                                       f"{', '.join(sorted(self._engine.branches)) or 'none'}.")
-        return name
+        return self._live_branch(proposal["value"], "select")
 
     def _state(self) -> dict[str, Any]:
         engine = self._engine
