@@ -16,7 +16,7 @@ function loadPlotly(model) {
       const library = await model.widget_manager.get_model(reference.replace(/^IPY_MODEL_/, ""));
       const url = URL.createObjectURL(new Blob([library.get("_source")], { type: "text/javascript" }));
       try {
-        await import(/* webpackIgnore: true */ url);   // the bundle sets window.Plotly
+        await import(url);   // the bundle sets window.Plotly
       } finally {
         URL.revokeObjectURL(url);
       }
