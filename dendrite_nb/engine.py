@@ -13,7 +13,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .attention import BatchLayout, make_backend
-from .errors import CheckpointError, ContextOverflow, EmptyBranch, GenerationInterrupted, OutOfBlocks
+from .constraints import Constraint, parse_constraint
+from .errors import CheckpointError, ConstraintError, ContextOverflow, EmptyBranch, GenerationInterrupted, OutOfBlocks
 from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
 from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
@@ -66,6 +67,7 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._listeners: list[Listener] = []
+        self._guidance = None   # llguidance state, built by the first constraint
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -171,9 +173,37 @@ class Engine:
         self._check_unique([b for b, _ in pairs])
         for branch, tokens in pairs:
             self._check_context(branch.name, len(branch), len(tokens))
+            if branch.matcher is not None and branch.matcher.validate_tokens(tokens) != len(tokens):
+                raise ConstraintError(f"branch {branch.name!r} decodes under a {branch.constraint.describe()} "
+                                      f"constraint, which these tokens break; append text the grammar allows, "
+                                      f"or remove the constraint with constrain({branch.name!r}, None).")
         self._prefill([(b, t) for b, t in pairs if t])
+        for branch, tokens in pairs:
+            if branch.matcher is not None:
+                branch.matcher.consume_tokens(tokens)
         self._emit(TreeChanged("append", tuple(b.name for b, _ in pairs)))
         return [b for b, _ in pairs]
+
+    # ---- constraints ------------------------------------------------------------------------------
+    def constrain(self, branch: BranchRef, spec: dict[str, Any] | Constraint | None) -> Constraint | None:
+        """Decode `branch` under a constraint from now on ({"json_schema": ...}, {"regex": ...},
+        {"grammar": <Lark>}, {"choices": [...]}), starting at the grammar's beginning; None removes it.
+        The grammar position survives across calls and is copied by fork. Invalid specs raise
+        ConstraintError (llguidance's message) and change nothing."""
+        resolved = self.branch_tree.resolve(branch)
+        constraint, matcher = self._new_matcher(spec)
+        resolved.constraint, resolved.matcher = constraint, matcher
+        return constraint
+
+    def _new_matcher(self, spec: dict[str, Any] | Constraint | None):
+        constraint = spec if isinstance(spec, Constraint) or spec is None else parse_constraint(spec)
+        if constraint is None:
+            return None, None
+        if self._guidance is None:
+            from .guidance import Guidance
+
+            self._guidance = Guidance(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        return constraint, self._guidance.matcher(constraint)
 
     def fork(self, branch: BranchRef, n: int | None = None, *, names: Sequence[str] | None = None) -> list[Branch]:
         """New branches at the same node: O(1) in context length; no KV block is touched."""
@@ -190,6 +220,9 @@ class Engine:
         if not names:
             raise ValueError("fork needs at least one name.")
         children = self.branch_tree.fork(parent, names, [derive_seed(parent.seed, name) for name in names])
+        if parent.matcher is not None:  # each child continues the grammar from the same position, on its own
+            for child in children:
+                child.constraint, child.matcher = parent.constraint, parent.matcher.deep_copy()
         self._emit(TreeChanged("fork", (parent.name, *names)))
         return children
 
@@ -218,16 +251,25 @@ class Engine:
         return self.model.logits(torch.stack([b.node.last_hidden for b in resolved]))
 
     def generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int = 32,
-                 sampling: SamplingParams | None = None) -> list[list[int]]:
+                 sampling: SamplingParams | None = None,
+                 constraint: dict[str, Any] | Constraint | None = None) -> list[list[int]]:
         """Decode all given leaves together, one batched forward per step. Returns the new tokens per branch.
 
         A branch stops at EOS (unless sampling.ignore_eos), at a stop string (the token that completes
         it is kept), or after max_new_tokens. Sampled tokens are appended to the branches.
+        `constraint` first puts every given branch under that constraint, from the grammar's start
+        (as `constrain` does); branches already constrained keep their own grammar position otherwise.
+        A constrained branch samples only tokens its grammar allows and stops when the grammar is
+        complete (its end-of-sequence token is then the only one allowed), so its text parses.
         Ctrl-C stops at the end of the current step and raises GenerationInterrupted (a
         KeyboardInterrupt) carrying the tokens of the completed steps, which the branches keep.
         """
         sampling = sampling if sampling is not None else SamplingParams()
-        resolved = self.check_generate(branches, max_new_tokens, sampling)
+        resolved = self.check_generate(branches, max_new_tokens, sampling, constraint)
+        if constraint is not None:
+            attached = [self._new_matcher(constraint) for _ in resolved]   # all built before any is attached
+            for branch, (parsed, matcher) in zip(resolved, attached):
+                branch.constraint, branch.matcher = parsed, matcher
         generators = [self._generator(b, sampling.seed) for b in resolved]
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
         outputs: list[list[int]] = [[] for _ in resolved]
@@ -240,13 +282,21 @@ class Engine:
                     started = time.perf_counter()
                     histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
                                  if sampling.repetition_penalty != 1.0 else None)
+                    constrained = [row for row, i in enumerate(active) if resolved[i].matcher is not None]
+                    if constrained:
+                        self._guidance.mask_logits(logits, constrained, [resolved[active[r]].matcher for r in constrained])
                     drawn = sample(logits, sampling, [generators[i] for i in active], histories).tolist()
                     self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
                     steps_done += 1
                     still_active, finished = [], []
                     for i, token in zip(active, drawn):
                         outputs[i].append(token)
-                        (finished if self._finished(outputs[i], sampling, stop_window) else still_active).append(i)
+                        matcher = resolved[i].matcher
+                        if matcher is not None:   # after the prefill: an interrupted step leaves it untouched
+                            self._guidance.consume(matcher, token, resolved[i].name)
+                        done = self._finished(outputs[i], sampling, stop_window) or (matcher is not None
+                                                                                      and matcher.is_stopped())
+                        (finished if done else still_active).append(i)
                     last_step = not still_active or step == max_new_tokens - 1
                     if not last_step:
                         logits = self.next_logits([resolved[i] for i in still_active])
@@ -269,9 +319,18 @@ class Engine:
         return outputs
 
     def check_generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int,
-                       sampling: SamplingParams | None = None) -> list[Branch]:
-        """Raise what generate would raise before its first step (bad branches, budget, room); changes nothing."""
+                       sampling: SamplingParams | None = None,
+                       constraint: dict[str, Any] | Constraint | None = None) -> list[Branch]:
+        """Raise what generate would raise before its first step (bad branches, budget, room, an invalid
+        constraint, a completed grammar); changes nothing."""
         resolved = self._resolve_list(branches)
+        if constraint is not None and not isinstance(constraint, Constraint):
+            constraint = parse_constraint(constraint)
+        for branch in resolved:
+            if constraint is None and branch.matcher is not None and branch.matcher.is_stopped():
+                raise ConstraintError(f"branch {branch.name!r} has completed its {branch.constraint.describe()}; "
+                                      f"fork it before it completes, or remove the constraint with "
+                                      f"constrain({branch.name!r}, None) to keep writing.")
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")

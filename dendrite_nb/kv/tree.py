@@ -45,11 +45,13 @@ class Node:
 class Branch:
     """A named, movable pointer to a node. Handles go stale when the branch is pruned."""
 
-    __slots__ = ("name", "node", "seed", "generator", "_tree")
+    __slots__ = ("name", "node", "seed", "generator", "constraint", "matcher", "_tree")
 
     def __init__(self, name: str, node: Node, tree: BranchTree, seed: int = 0):
         self.name, self.node, self._tree, self.seed = name, node, tree, seed
         self.generator = None  # engine-owned sampling generator, created on first use
+        self.constraint = None  # the Constraint this branch decodes under, or None
+        self.matcher = None     # its llguidance matcher: the grammar position after the branch's tokens
 
     @property
     def tokens(self) -> list[int]:

@@ -1,0 +1,73 @@
+"""Constrained decoding with llguidance: one LLTokenizer per model, one LLMatcher per constrained branch.
+
+Each decode step, the rows of constrained branches get a token bitmask (filled by llguidance's Rust
+worker threads, in parallel across rows) applied to their logits before sampling; the sampled token
+is then consumed by the branch's matcher. Batches with no constrained branch never reach this module.
+A matcher is plain CPU state: a fork deep-copies it so siblings continue the same grammar position
+independently, and a prune drops it with the branch.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .constraints import LLGUIDANCE_FORMAT, Constraint
+from .errors import ConstraintError
+
+# JSON output without free whitespace: a schema is about the values, and a sampling model (a random one
+# above all) would otherwise spend its tokens on spaces and newlines between them.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar for a constraint (JSON schemas get compact whitespace unless they say otherwise)."""
+    import llguidance
+
+    source = constraint.grammar_source()
+    if constraint.kind == "json_schema" and "x-guidance" not in constraint.value:
+        source = json.dumps({**constraint.value, "x-guidance": JSON_DEFAULTS})
+    return llguidance.grammar_from(LLGUIDANCE_FORMAT[constraint.kind], source)
+
+
+class Guidance:
+    """The engine's llguidance state: built on first use, so unconstrained engines never load it."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+        import llguidance
+        import llguidance.hf
+
+        if hf_tokenizer is None:
+            raise ConstraintError("constraints need a tokenizer; this engine has none (built from random weights).")
+        eos = sorted(eos_token_ids)
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
+        self.vocab_size = vocab_size
+        self.executor = llguidance.LLExecutor(max(1, min(8, (os.cpu_count() or 2) - 1)))
+
+    def matcher(self, constraint: Constraint):
+        """A fresh matcher at the start of the constraint's grammar."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(constraint))
+        if matcher.is_error():
+            raise ConstraintError(f"llguidance cannot start this {constraint.kind}: {matcher.get_error()}")
+        return matcher
+
+    def mask_logits(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+        """Disallow, in place, every token the matcher of each listed row forbids. logits: [B, vocab]."""
+        import llguidance.torch as lltorch
+
+        bitmask = lltorch.allocate_token_bitmask(len(rows), self.tokenizer.vocab_size)
+        lltorch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        with torch.inference_mode():   # the logits come from the model's inference-mode forward
+            index = torch.tensor(rows, device=logits.device)
+            constrained = logits.index_select(0, index).float()
+            lltorch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
+            logits.index_copy_(0, index, constrained.to(logits.dtype))
+
+    @staticmethod
+    def consume(matcher, token: int, branch_name: str) -> None:
+        if not matcher.consume_token(token):
+            raise ConstraintError(f"branch {branch_name!r}: the grammar refused token {token} ({matcher.get_error()}); "
+                                  f"this is a bug in the masking, please report it.")

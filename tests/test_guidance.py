@@ -1,0 +1,167 @@
+"""Constrained decoding with llguidance on the tiny random model, sampling at temperature 1.0: every
+output parses and validates, forks continue the grammar independently, bad input changes nothing."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from dendrite_nb import ConstraintError, Engine, SamplingParams
+from conftest import engine_state
+
+SAMPLE = SamplingParams(temperature=1.0, seed=7)
+BUDGET = 1800   # tokens per branch; a random model's strings end when it happens to draw a quote
+
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+           "required": ["city", "zip"], "additionalProperties": False}
+SCHEMAS = [
+    {"type": "integer"},
+    {"type": "number", "minimum": -5, "maximum": 5},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"type": "string", "maxLength": 8},
+    {"enum": ["red", "green", "blue"]},
+    {"const": "fixed"},
+    {"type": "string", "pattern": "^[a-z]{3}-[0-9]{2}$"},
+    {"type": "string", "format": "date"},
+    {"type": "string", "format": "email", "maxLength": 40},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string", "maxLength": 6}},
+     "required": ["id"], "additionalProperties": False},
+    {"type": "object", "properties": {"address": ADDRESS}, "required": ["address"], "additionalProperties": False},
+    {"type": "object", "properties": {"points": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+        "required": ["x", "y"], "additionalProperties": False}}}, "required": ["points"], "additionalProperties": False},
+    {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 5}]},
+    {"anyOf": [{"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "maximum": 9}},
+                "required": ["kind", "lives"], "additionalProperties": False},
+               {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"],
+                "additionalProperties": False}]},
+    {"$defs": {"leaf": {"type": "object", "properties": {"v": {"type": "integer"}}, "required": ["v"],
+                        "additionalProperties": False}},
+     "type": "object", "properties": {"left": {"$ref": "#/$defs/leaf"}, "right": {"$ref": "#/$defs/leaf"}},
+     "required": ["left", "right"], "additionalProperties": False},
+    {"type": "object", "properties": {"tool": {"enum": ["search", "calc"]},
+                                      "args": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 16}},
+                                               "required": ["q"], "additionalProperties": False}},
+     "required": ["tool", "args"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 10},
+                                      "verdict": {"enum": ["accept", "reject"]}},
+     "required": ["score", "verdict"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}, "c": {"type": "null"}},
+     "required": ["a", "b", "c"], "additionalProperties": False},
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 4}], "items": False,
+     "minItems": 2},
+    {"type": "string"},
+]
+
+
+@pytest.fixture(scope="module")
+def eng(checkpoint):
+    return Engine.from_pretrained(checkpoint(), num_blocks=8192, block_size=16, debug=True)
+
+
+def text_of(eng, tokens):
+    return eng.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_every_output_of_26_schemas_parses_and_validates(eng):
+    """All schemas, two seeds each, in one batch: every row has its own grammar (a mixed batch)."""
+    assert len(SCHEMAS) >= 25
+    names = []
+    for index, schema in enumerate(SCHEMAS):
+        for seed in (1, 2):
+            name = f"schema{index}/seed{seed}"
+            eng.new_branch(name, "Answer in JSON:", seed=seed)
+            eng.constrain(name, {"json_schema": schema})
+            names.append((name, schema))
+    outputs = eng.generate([n for n, _ in names], BUDGET, SAMPLE)
+    for (name, schema), tokens in zip(names, outputs):
+        assert eng.branch(name).matcher.is_stopped(), f"{name} did not complete its grammar in {BUDGET} tokens"
+        value = json.loads(text_of(eng, tokens))
+        jsonschema.validate(value, schema)
+    eng.prune([n for n, _ in names])
+    eng.audit()
+
+
+@pytest.mark.parametrize("spec, check", [
+    ({"regex": r"[a-z]{2,5}@[0-9]{3}"}, lambda text: re.fullmatch(r"[a-z]{2,5}@[0-9]{3}", text)),
+    ({"regex": r"(yes|no)\.?"}, lambda text: re.fullmatch(r"(yes|no)\.?", text)),
+    ({"grammar": 'start: expr\nexpr: NUMBER ("+" NUMBER)*\nNUMBER: /[0-9]{1,3}/'},
+     lambda text: re.fullmatch(r"[0-9]{1,3}(\+[0-9]{1,3})*", text)),
+    ({"choices": ["left", "right", "straight on"]}, lambda text: text in ("left", "right", "straight on")),
+])
+def test_regex_lark_and_choices_outputs_always_match(eng, spec, check):
+    kids = eng.fork(eng.new_branch("ask", "Which way?"), 6)
+    outputs = eng.generate(kids, 200, SAMPLE, constraint=spec)
+    for kid, tokens in zip(kids, outputs):
+        text = text_of(eng, tokens)
+        assert check(text), f"{kid.name}: {text!r} does not match {spec}"
+    eng.prune("ask", kids)
+
+
+def test_eight_forks_halfway_through_an_object_all_complete_valid_objects(eng):
+    schema = SCHEMAS[15]   # {"address": {"city": ..., "zip": "12345"}}
+    parent = eng.new_branch("half", "Where?")
+    eng.constrain(parent, {"json_schema": schema})
+    first = eng.generate([parent], 4, SAMPLE)[0]   # part of the object, not all of it
+    assert not parent.matcher.is_stopped()
+    kids = eng.fork(parent, 8)
+    outputs = eng.generate(kids, BUDGET, SAMPLE)
+    texts = {text_of(eng, first + tokens) for tokens in outputs}
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    assert len(texts) > 1   # the siblings went their own ways from the same grammar position
+    eng.prune("half", kids)
+
+
+def test_an_unconstrained_sibling_decodes_exactly_as_it_would_alone(eng):
+    eng.new_branch("free", "Tell me")
+    expected = eng.generate(eng.fork("free", names=["x"]), 12, SAMPLE)[0]
+    eng.prune("x")
+    mixed = eng.fork("free", names=["x", "json"])   # the same name, so the same sampler seed
+    eng.constrain("json", {"json_schema": SCHEMAS[13]})
+    got = eng.generate(mixed, 12, SAMPLE)[0]
+    assert got == expected
+    eng.prune("free", *mixed)
+
+
+def test_bad_constraints_fail_before_decoding_and_change_nothing(eng):
+    eng.new_branch("safe", "Hello")
+    before = engine_state(eng)
+    cases = [({"json_schema": {"type": "nonsense"}}, "not a valid JSON Schema"),
+             ({"regex": "[a-z"}, "llguidance cannot compile this regex"),
+             ({"grammar": "start: missing_rule"}, "llguidance cannot compile this grammar"),
+             ({"choices": []}, "non-empty list"),
+             ({"colour": "red"}, "unknown constraint key 'colour'")]
+    for spec, message in cases:
+        with pytest.raises(ConstraintError, match=message):
+            eng.generate(["safe"], 5, SAMPLE, constraint=spec)
+        with pytest.raises(ConstraintError, match=message):
+            eng.constrain("safe", spec)
+        assert engine_state(eng) == before and eng.branch("safe").matcher is None
+    eng.prune("safe")
+
+
+def test_appends_must_fit_the_grammar_and_move_it_forward(eng):
+    branch = eng.new_branch("tool", "Call:")
+    eng.constrain(branch, {"choices": ["search(x)", "calc(y)"]})
+    before = engine_state(eng)
+    with pytest.raises(ConstraintError, match="which these tokens break"):
+        eng.append(branch, "delete(z)")
+    assert engine_state(eng) == before
+    eng.append(branch, "calc(")
+    out = eng.generate([branch], 20, SAMPLE)[0]
+    assert text_of(eng, out).startswith("y)") and branch.matcher.is_stopped()
+    with pytest.raises(ConstraintError, match="has completed its choices"):
+        eng.generate([branch], 5, SAMPLE)
+    eng.constrain(branch, None)   # lifting the constraint lets it write freely again
+    assert len(eng.generate([branch], 3, SamplingParams(temperature=1.0, seed=1, ignore_eos=True))[0]) == 3
+    eng.prune("tool")
