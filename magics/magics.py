@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from dendrite_nb import DendriteError, Engine, GenerationInterrupted, SamplingParams
+from dendrite_nb import Constraint, DendriteError, Engine, GenerationInterrupted, SamplingParams
 from dendrite_nb.kv import Branch
 
 from .cell_options import read_cell_options, split_inline_options
@@ -24,9 +24,6 @@ from .show import show_branch
 from .views import StatusView
 
 SUBCOMMANDS = ("load", "demo", "status")
-CONSTRAINTS_NOT_YET = ("constrained decoding is not available yet (it arrives with the llguidance integration); "
-                       "the {what} from the {origin} is valid, but generating with it is refused rather than "
-                       "ignored. Remove it to generate without a constraint.")
 
 
 @contextmanager
@@ -78,14 +75,13 @@ class DendriteMagics(Magics):
         parent = kernel.get_parent()
         return (parent or {}).get("metadata") or None
 
-    def _constraint_check(self, inline: dict[str, str], generating: bool) -> None:
+    def _cell_constraint(self, inline: dict[str, str], generating: bool) -> Constraint | None:
+        """The constraint the cell's metadata or `#|` lines set (validated), or None."""
         options = read_cell_options(self._cell_metadata(), inline, self.shell.user_ns)
-        if options.constraint is None:
-            return
-        if not generating:
+        if options.constraint is not None and not generating:
             raise UsageError(f"this cell's {options.origin} set a {options.constraint.kind} constraint, but the cell "
                              f"does not generate; add --gen N to %%branch, or remove the constraint.")
-        raise UsageError(CONSTRAINTS_NOT_YET.format(what=options.constraint.describe(), origin=options.origin))
+        return options.constraint
 
     # ---- %dendrite ------------------------------------------------------------------------------------
     @line_magic
@@ -181,7 +177,7 @@ class DendriteMagics(Magics):
         if args.gen < 0:
             raise UsageError(f"--gen takes a number of tokens >= 0, got {args.gen}.")
         sampling = sampling_from(args)
-        self._constraint_check(inline, generating=args.gen > 0)
+        constraint = self._cell_constraint(inline, generating=args.gen > 0)
         with user_errors():
             if args.chat:
                 body = engine.format_chat([{"role": "user", "content": body}])
@@ -214,7 +210,7 @@ class DendriteMagics(Magics):
         branch = engine.branch(args.name)
         action = "forked from " + args.parent if parent is not None else "created" if created else "appended to"
         if args.gen:
-            return self._generate([branch], args.gen, sampling)
+            return self._generate([branch], args.gen, sampling, constraint)
         return Branches(f"{action} {args.name}" if tokens or created else f"{args.name} unchanged",
                         (branch.name,), (len(branch),), engine.num_free_blocks)
 
@@ -259,7 +255,9 @@ class DendriteMagics(Magics):
         Kernel > Interrupt stops at the end of the current step; every branch keeps the tokens of the
         completed steps. The result maps each branch to its new text: `_["plan/0"]`.
         A constraint comes from the cell's metadata (`{"dendrite": {"json_schema": ...}}`) or from
-        `#| json_schema: $var` lines at the top of the cell.
+        `#| json_schema: $var` lines at the top of the cell: each branch then decodes under it from
+        the grammar's start and stops when the grammar is complete, so its text parses. Branches
+        forked from a constrained branch continue its grammar without one.
 
         Examples::
 
@@ -273,18 +271,19 @@ class DendriteMagics(Magics):
             raise UsageError(f"--max-tokens takes a count >= 1, got {args.max_tokens}.")
         sampling = sampling_from(args)
         inline, _ = split_inline_options(self.session.cell_source or "")
-        self._constraint_check(inline, generating=True)
+        constraint = self._cell_constraint(inline, generating=True)
         branches = self.session.select(args.branches)
-        return self._generate(branches, args.max_tokens, sampling)
+        return self._generate(branches, args.max_tokens, sampling, constraint)
 
-    def _generate(self, branches: list[Branch], max_tokens: int, sampling: SamplingParams) -> Generated:
+    def _generate(self, branches: list[Branch], max_tokens: int, sampling: SamplingParams,
+                  constraint: Constraint | None) -> Generated:
         engine = self.session.require_engine()
         with user_errors():  # refuse before the live view appears, so a refused cell shows only the error
-            engine.check_generate(branches, max_tokens, sampling)
+            engine.check_generate(branches, max_tokens, sampling, constraint)
         live = LiveGeneration(engine, branches, max_tokens)
         try:
             with engine.subscribe(live), user_errors():
-                outputs = engine.generate(branches, max_tokens, sampling)
+                outputs = engine.generate(branches, max_tokens, sampling, constraint)
         except GenerationInterrupted as interrupted:
             live.finish(interrupted=True)
             self.session.last_result = self._result(engine, branches, interrupted.outputs, live,

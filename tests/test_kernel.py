@@ -7,7 +7,8 @@ import pytest
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+          "additionalProperties": False}
 TIMEOUT_S = 60
 
 
@@ -85,14 +86,17 @@ def tree_of(client):
 def test_a_json_schema_in_cell_metadata_reaches_the_magic(loaded):
     _, client = loaded
     before = tree_of(client)
-    reply, outputs = execute(client, "%gen root -n 4", metadata={"dendrite": {"json_schema": SCHEMA}, "cellId": "c1"})
+    reply, outputs = execute(client, "%gen root -n 4", metadata={"dendrite": {"json_schema": {"type": "bogus"}}})
     assert reply["status"] == "error" and reply["ename"] == "UsageError"
-    assert "json_schema" in reply["evalue"] and "cell metadata" in reply["evalue"]
+    assert "not a valid JSON Schema" in reply["evalue"] and "cell metadata" in reply["evalue"]
     assert "Traceback" not in text_of(outputs)  # a UsageError shows its message only
-
-    reply, _ = execute(client, "%gen root -n 4", metadata={"dendrite": {"json_schema": {"type": "bogus"}}})
-    assert reply["status"] == "error" and "not a valid JSON Schema" in reply["evalue"]
     assert tree_of(client) == before
+
+    execute(client, "%fork root --n 1")
+    reply, outputs = execute(client, "r = %gen root/0 -n 30\nprint(r['root/0'])",
+                             metadata={"dendrite": {"json_schema": SCHEMA}, "cellId": "c1"})
+    assert reply["status"] == "ok", text_of(outputs)
+    assert text_of(outputs).strip().splitlines()[-1] in ('{"answer":"yes"}', '{"answer":"no"}')
 
     reply, outputs = execute(client, "%gen root -n 4 --ignore-eos")
     assert reply["status"] == "ok", text_of(outputs)

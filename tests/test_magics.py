@@ -1,5 +1,6 @@
 """The magics, driven through a real IPython InteractiveShell (run_line_magic / run_cell_magic)."""
 import gc
+import json
 import weakref
 
 import pytest
@@ -230,7 +231,8 @@ def cell_metadata(ip, monkeypatch):
     return set_metadata
 
 
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+          "additionalProperties": False}
 
 
 @pytest.mark.parametrize("line, cell, message", [
@@ -273,13 +275,11 @@ def test_bad_input_is_a_usage_error_that_changes_nothing(ip, line, cell, message
 
 
 @pytest.mark.parametrize("metadata, inline, message", [
-    ({"dendrite": {"json_schema": SCHEMA}}, "", "constrained decoding is not available yet.*json_schema.*cell metadata"),
     ({"dendrite": {"json_schema": {"type": "bogus"}}}, "", "not a valid JSON Schema"),
     ({"dendrite": {"regex": "(unclosed"}}, "", "llguidance cannot compile this regex"),
     ({"dendrite": {"choices": []}}, "", "non-empty list"),
     ({"dendrite": {"shema": {}}}, "", "unknown constraint key 'shema'"),
     ({"dendrite": "json"}, "", "must be an object"),
-    (None, "#| json_schema: $my_schema\n", "constrained decoding is not available yet.*inline options"),
     (None, "#| json_schema: $undefined_var\n", "not defined"),
     (None, "#| json_schema: {not json}\n", "not valid JSON"),
     (None, "#| regex: [a-z\n", "llguidance cannot compile"),
@@ -287,7 +287,7 @@ def test_bad_input_is_a_usage_error_that_changes_nothing(ip, line, cell, message
     (None, "#| regex: a+\n#| regex: b+\n", "given twice"),
     ({"dendrite": {"regex": "a+"}}, "#| regex: b+\n", "both in its metadata and in `#|` lines"),
 ])
-def test_bad_or_unsupported_constraints_refuse_and_change_nothing(ip, cell_metadata, metadata, inline, message):
+def test_bad_constraints_refuse_and_change_nothing(ip, cell_metadata, metadata, inline, message):
     ip.user_ns["my_schema"] = SCHEMA
     cell_metadata(metadata)
     engine = current_engine()
@@ -320,9 +320,29 @@ def test_inline_options_are_stripped_from_the_prompt(ip):
 def test_cells_run_through_the_shell_read_their_own_inline_options(ip):
     """pre_run_cell hands the session the raw cell, so a %gen line sees the `#|` lines above it."""
     ip.user_ns["my_schema"] = SCHEMA
+    magic(ip, "fork root a b")
     with capture_output():
-        result = ip.run_cell("#| json_schema: $my_schema\n%gen root -n 2")
-    assert isinstance(result.error_in_exec, UsageError) and "inline options" in str(result.error_in_exec)
+        result = ip.run_cell("#| json_schema: $my_schema\n%gen a -n 30")
+    assert result.success and json.loads(result.result["a"]) in ({"answer": "yes"}, {"answer": "no"})
     with capture_output():
-        result = ip.run_cell("%gen root -n 2 --ignore-eos")
+        result = ip.run_cell("%gen b -n 2 --ignore-eos")   # the next cell, without the option, is free
     assert result.success and len(result.result.tokens[0]) == 2
+
+
+@pytest.mark.parametrize("metadata, inline", [({"dendrite": {"json_schema": SCHEMA}}, ""),
+                                              (None, "#| json_schema: $my_schema\n"),
+                                              ({"dendrite": {"choices": ["left", "right"]}}, "")])
+def test_a_cell_constraint_drives_the_generation(ip, cell_metadata, metadata, inline):
+    ip.user_ns["my_schema"] = SCHEMA
+    cell_metadata(metadata)
+    current_session().cell_source = inline + "%gen root/* -n 30"
+    magic(ip, "fork root --n 3")
+    result, _ = magic(ip, "gen root/* -n 30")
+    for name, text in result.items():
+        if "choices" in (metadata or {}).get("dendrite", {}):
+            assert text in ("left", "right"), name
+        else:
+            assert json.loads(text) in ({"answer": "yes"}, {"answer": "no"}), name
+    generated, _ = magic(ip, "branch pick --from root --gen 30", inline + "Pick one:")
+    assert generated["pick"] in ("left", "right") or json.loads(generated["pick"])["answer"] in ("yes", "no")
+    current_engine().audit()
