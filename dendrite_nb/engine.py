@@ -274,29 +274,38 @@ class Engine:
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
         outputs: list[list[int]] = [[] for _ in resolved]
         active = list(range(len(resolved)))
-        steps_done = 0
+        steps_done, masks = 0, None
         try:
             with DeferredInterrupt() as interrupt:
                 logits = self.next_logits(resolved)
+                masks = self._start_masks(resolved, active)
                 for step in range(max_new_tokens):
                     started = time.perf_counter()
                     histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
                                  if sampling.repetition_penalty != 1.0 else None)
-                    constrained = [row for row, i in enumerate(active) if resolved[i].matcher is not None]
-                    if constrained:
-                        self._guidance.mask_logits(logits, constrained, [resolved[active[r]].matcher for r in constrained])
+                    if masks is not None:
+                        self._guidance.apply(logits, masks[0], masks[1].result())
                     drawn = sample(logits, sampling, [generators[i] for i in active], histories).tolist()
-                    self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
-                    steps_done += 1
+                    # Constrained matchers advance now, so the next step's masks fill during the forward.
+                    advanced = self._advance_matchers([resolved[i] for i in active], drawn)
                     still_active, finished = [], []
                     for i, token in zip(active, drawn):
-                        outputs[i].append(token)
                         matcher = resolved[i].matcher
-                        if matcher is not None:   # after the prefill: an interrupted step leaves it untouched
-                            self._guidance.consume(matcher, token, resolved[i].name)
-                        done = self._finished(outputs[i], sampling, stop_window) or (matcher is not None
-                                                                                      and matcher.is_stopped())
+                        done = (self._finished(outputs[i] + [token], sampling, stop_window)
+                                or (matcher is not None and matcher.is_stopped()))
                         (finished if done else still_active).append(i)
+                    masks = self._start_masks(resolved, still_active) if step < max_new_tokens - 1 else None
+                    try:
+                        self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
+                    except BaseException:   # the step is undone: so are the matchers' moves
+                        if masks is not None:
+                            masks[1].result()
+                        for matcher in advanced:
+                            matcher.rollback(1)
+                        raise
+                    steps_done += 1
+                    for i, token in zip(active, drawn):
+                        outputs[i].append(token)
                     last_step = not still_active or step == max_new_tokens - 1
                     if not last_step:
                         logits = self.next_logits([resolved[i] for i in still_active])
@@ -314,9 +323,26 @@ class Engine:
         except KeyboardInterrupt as interrupted:
             raise GenerationInterrupted(outputs, steps_done, max_new_tokens) from interrupted
         finally:
+            if masks is not None:   # a fill still running on the worker must not overlap later matcher moves
+                masks[1].result()
             if steps_done:
                 self._emit(TreeChanged("generate", tuple(b.name for b in resolved)))
         return outputs
+
+    def _advance_matchers(self, branches: list[Branch], tokens: list[int]) -> list:
+        advanced = []
+        for branch, token in zip(branches, tokens):
+            if branch.matcher is not None:
+                self._guidance.consume(branch.matcher, token, branch.name)
+                advanced.append(branch.matcher)
+        return advanced
+
+    def _start_masks(self, resolved: list[Branch], active: list[int]):
+        """(rows, future bitmask) for the constrained rows among `active`, or None when there are none."""
+        rows = [row for row, i in enumerate(active) if resolved[i].matcher is not None]
+        if not rows:
+            return None
+        return rows, self._guidance.start_fill([resolved[active[row]].matcher for row in rows])
 
     def check_generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int,
                        sampling: SamplingParams | None = None,

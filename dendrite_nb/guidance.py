@@ -1,8 +1,10 @@
 """Constrained decoding with llguidance: one LLTokenizer per model, one LLMatcher per constrained branch.
 
-Each decode step, the rows of constrained branches get a token bitmask (filled by llguidance's Rust
-worker threads, in parallel across rows) applied to their logits before sampling; the sampled token
-is then consumed by the branch's matcher. Batches with no constrained branch never reach this module.
+Each decode step, the rows of constrained branches get a token bitmask applied to their logits before
+sampling, and the sampled token is consumed by the branch's matcher at once. The bitmask for the next
+step is then filled by llguidance's Rust worker threads (in parallel across rows, from a Python worker
+thread) while the model's forward pass runs, so the mask costs little wall time. Batches with no
+constrained branch never reach this module.
 A matcher is plain CPU state: a fork deep-copies it so siblings continue the same grammar position
 independently, and a prune drops it with the branch.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -44,6 +47,7 @@ class Guidance:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
         self.vocab_size = vocab_size
         self.executor = llguidance.LLExecutor(max(1, min(8, (os.cpu_count() or 2) - 1)))
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dendrite-mask")
 
     def matcher(self, constraint: Constraint):
         """A fresh matcher at the start of the constraint's grammar."""
@@ -54,12 +58,22 @@ class Guidance:
             raise ConstraintError(f"llguidance cannot start this {constraint.kind}: {matcher.get_error()}")
         return matcher
 
-    def mask_logits(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-        """Disallow, in place, every token the matcher of each listed row forbids. logits: [B, vocab]."""
+    def fill(self, matchers: list) -> torch.Tensor:
+        """The allowed-token bitmask of each matcher, [len(matchers), ceil(vocab / 32)] int32 on the CPU."""
         import llguidance.torch as lltorch
 
-        bitmask = lltorch.allocate_token_bitmask(len(rows), self.tokenizer.vocab_size)
+        bitmask = lltorch.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
         lltorch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        return bitmask
+
+    def start_fill(self, matchers: list) -> Future:
+        """fill() on the worker thread; the caller runs the forward pass meanwhile, then takes .result()."""
+        return self._filler.submit(self.fill, matchers)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+        """Disallow, in place, every token the bitmask forbids in the listed rows. logits: [B, vocab]."""
+        import llguidance.torch as lltorch
+
         with torch.inference_mode():   # the logits come from the model's inference-mode forward
             index = torch.tensor(rows, device=logits.device)
             constrained = logits.index_select(0, index).float()

@@ -1,0 +1,111 @@
+"""Decode-step time with and without llguidance constraints, at batch 1, 16 and 64, and the mask's share.
+
+Each batch size runs the same forked branches twice: unconstrained (the peer and the floor: a
+constraint should add nothing beyond it), and under a JSON schema that cannot complete within the
+measured steps. Printed per batch: the mean step time of each (only steps with the whole batch
+active), the time llguidance spent filling masks (on its worker thread, overlapped with the forward),
+the part of it the decode loop actually waited for, and applying the masks to the logits.
+
+    python benchmarks/constrained_step.py [--steps 64] [--batches 1 16 64] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+from dendrite_nb import Engine, SamplingParams, StepHistory
+from dendrite_nb.testing import write_tiny_checkpoint
+
+# An array of long strings: valid JSON all along, never complete within the measured steps.
+SCHEMA = {"type": "array", "items": {"type": "string", "minLength": 4000}, "minItems": 2}
+
+
+class Timings:
+    """Wraps the engine's Guidance to time mask filling, waiting and applying."""
+
+    def __init__(self, guidance):
+        self.fill_s = self.wait_s = self.apply_s = 0.0
+        fill, start_fill, apply = guidance.fill, guidance.start_fill, guidance.apply
+
+        def timed_fill(matchers):
+            started = time.perf_counter()
+            try:
+                return fill(matchers)
+            finally:
+                self.fill_s += time.perf_counter() - started
+
+        def timed_start_fill(matchers):
+            future = guidance._filler.submit(timed_fill, matchers)
+            result = future.result
+
+            def timed_result(*args):
+                started = time.perf_counter()
+                try:
+                    return result(*args)
+                finally:
+                    self.wait_s += time.perf_counter() - started
+
+            future.result = timed_result
+            return future
+
+        def timed_apply(logits, rows, bitmask):
+            started = time.perf_counter()
+            apply(logits, rows, bitmask)
+            self.apply_s += time.perf_counter() - started
+
+        guidance.fill, guidance.start_fill, guidance.apply = timed_fill, timed_start_fill, timed_apply
+
+
+def mean_full_batch_step_s(history: StepHistory, batch: int) -> float:
+    full = [s for s, b in zip(history.step_s, history.batch_sizes) if b == batch]
+    return statistics.mean(full[1:] if len(full) > 1 else full)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    checkpoint = write_tiny_checkpoint(tempfile.mkdtemp(), "llama-gqa-untied")
+    engine = Engine.from_pretrained(checkpoint, device=args.device, num_blocks=4096, block_size=16)
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"device {args.device}; tiny llama-gqa-untied, vocab {engine.config.vocab_size}")
+    # Warm up: the LLTokenizer is built once per engine, and the mask kernel compiles per batch shape.
+    for batch in args.batches:
+        kids = engine.fork(engine.new_branch(f"warm{batch}", "x"), batch)
+        engine.generate(kids, 3, SamplingParams(ignore_eos=True), constraint={"json_schema": SCHEMA})
+        engine.prune(f"warm{batch}", kids)
+    timings = Timings(engine._guidance)
+    print(f"{'batch':>5} {'free step ms':>13} {'constrained ms':>15} {'overhead':>9} {'fill ms':>8} "
+          f"{'waited ms':>10} {'apply ms':>9}   (per step)")
+    for batch in args.batches:
+        results = {}
+        for constrained in (False, True):
+            root = engine.new_branch(f"b{batch}-{constrained}", "Write the list as JSON:")
+            kids = engine.fork(root, batch)
+            if constrained:
+                for kid in kids:
+                    engine.constrain(kid, {"json_schema": SCHEMA})
+            history = StepHistory()
+            before = (timings.fill_s, timings.wait_s, timings.apply_s)
+            with engine.subscribe(history):
+                engine.generate(kids, args.steps, SamplingParams(temperature=1.0, seed=0, ignore_eos=True))
+            spent = [(now - then) / len(history) for now, then in zip((timings.fill_s, timings.wait_s, timings.apply_s),
+                                                                       before)]
+            results[constrained] = (mean_full_batch_step_s(history, batch), spent)
+            engine.prune(root, kids)
+        (free_s, _), (constrained_s, (fill_s, wait_s, apply_s)) = results[False], results[True]
+        print(f"{batch:>5} {1e3 * free_s:>13.2f} {1e3 * constrained_s:>15.2f} {100 * (constrained_s / free_s - 1):>8.0f}% "
+              f"{1e3 * fill_s:>8.2f} {1e3 * wait_s:>10.2f} {1e3 * apply_s:>9.2f}")
+    print("\nfloor: the unconstrained step of the same batch; fill runs on the worker thread during the forward, "
+          "'waited' is the part the decode loop blocked on")
+
+
+if __name__ == "__main__":
+    main()
