@@ -394,6 +394,9 @@ class Engine:
         """Free the weights and the KV pool now, even while other references to this engine remain.
         Every later call raises a clear error."""
         self.model.to("meta")
+        if self._guidance is not None:
+            self._guidance.close()
+            self._guidance = None
         self.pool.kv = self.pool.kv.new_empty(0)
         self._kv_layers = []
         self.branch_tree = _ClosedTree()

@@ -80,6 +80,9 @@ class Guidance:
             lltorch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
             logits.index_copy_(0, index, constrained.to(logits.dtype))
 
+    def close(self) -> None:
+        self._filler.shutdown(wait=True)
+
     @staticmethod
     def consume(matcher, token: int, branch_name: str) -> None:
         if not matcher.consume_token(token):
