@@ -68,3 +68,17 @@ def engine_state(eng):
 
 
 ALL_SHAPES = list(TINY_SHAPES)
+
+
+def interrupt_forward_call(monkeypatch, eng, call: int) -> None:
+    """Make the model's `call`-th forward from now raise KeyboardInterrupt (Ctrl-C in the middle of a step)."""
+    calls = {"n": 0}
+    real_forward = type(eng.model).forward
+
+    def flaky_forward(self, *args):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise KeyboardInterrupt
+        return real_forward(self, *args)
+
+    monkeypatch.setattr(type(eng.model), "forward", flaky_forward)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from dendrite_nb import (BranchExists, BranchPruned, CheckpointError, ContextOverflow, EmptyBranch, Engine,
                          OutOfBlocks, SamplingParams, UnknownBranch, UnsupportedModel)
 
-from conftest import engine_state
+from conftest import engine_state, interrupt_forward_call
 
 
 @pytest.fixture
@@ -95,16 +95,7 @@ def test_an_interrupted_forward_undoes_its_appends(populated, monkeypatch):
 def test_an_interrupted_generate_keeps_completed_steps(populated, monkeypatch):
     engine, a, kids, _ = populated
     lengths = [len(k) for k in kids]
-    calls = {"n": 0}
-    real_forward = type(engine.model).forward
-
-    def flaky_forward(self, *args):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real_forward(self, *args)
-
-    monkeypatch.setattr(type(engine.model), "forward", flaky_forward)
+    interrupt_forward_call(monkeypatch, engine, 4)
     with pytest.raises(KeyboardInterrupt):
         engine.generate(kids, 10, SamplingParams(temperature=0.0))
     assert [len(k) for k in kids] == [n + 3 for n in lengths]  # three whole steps landed, the fourth was undone

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from dendrite_nb import ConstraintError, Engine, SamplingParams
-from conftest import engine_state
+from conftest import engine_state, interrupt_forward_call
 
 SAMPLE = SamplingParams(temperature=1.0, seed=7)
 BUDGET = 1800   # tokens per branch; a random model's strings end when it happens to draw a quote
@@ -173,16 +173,7 @@ def test_a_forward_interrupted_mid_step_rolls_the_grammar_back_with_the_tokens(e
     schema = SCHEMAS[13]
     branch = eng.new_branch("cut", "Who?")
     prompt_length = len(branch)
-    calls = {"n": 0}
-    real_forward = type(eng.model).forward
-
-    def flaky_forward(self, *args):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real_forward(self, *args)
-
-    monkeypatch.setattr(type(eng.model), "forward", flaky_forward)
+    interrupt_forward_call(monkeypatch, eng, 4)
     with pytest.raises(KeyboardInterrupt):
         eng.generate([branch], BUDGET, SamplingParams(temperature=1.0, seed=7), constraint={"json_schema": schema})
     monkeypatch.undo()
