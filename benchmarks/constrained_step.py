@@ -6,7 +6,7 @@ measured steps. Printed per batch: the mean step time of each (only steps with t
 active), the time llguidance spent filling masks (on its worker thread, overlapped with the forward),
 the part of it the decode loop actually waited for, and applying the masks to the logits.
 
-    python benchmarks/constrained_step.py [--steps 64] [--batches 1 16 64] [--device cpu]
+    python benchmarks/constrained_step.py [--steps 64] [--batches 1 16 64] [--device cpu] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     checkpoint = write_tiny_checkpoint(tempfile.mkdtemp(), "llama-gqa-untied")
     engine = Engine.from_pretrained(checkpoint, device=args.device, num_blocks=4096, block_size=16)
@@ -85,9 +86,9 @@ def main() -> None:
     print(f"{'batch':>5} {'free step ms':>13} {'constrained ms':>15} {'overhead':>9} {'fill ms':>8} "
           f"{'waited ms':>10} {'apply ms':>9}   (per step)")
     for batch in args.batches:
-        results = {}
-        for constrained in (False, True):
-            root = engine.new_branch(f"b{batch}-{constrained}", "Write the list as JSON:")
+        results = {}   # per kind, the fastest of the repeats (alternated: run order moves CPU times a lot here)
+        for constrained in [False, True] * args.repeats:
+            root = engine.new_branch(f"b{batch}", "Write the list as JSON:")
             kids = engine.fork(root, batch)
             if constrained:
                 for kid in kids:
@@ -98,7 +99,9 @@ def main() -> None:
                 engine.generate(kids, args.steps, SamplingParams(temperature=1.0, seed=0, ignore_eos=True))
             spent = [(now - then) / len(history) for now, then in zip((timings.fill_s, timings.wait_s, timings.apply_s),
                                                                        before)]
-            results[constrained] = (mean_full_batch_step_s(history, batch), spent)
+            measured = (mean_full_batch_step_s(history, batch), spent)
+            if constrained not in results or measured[0] < results[constrained][0]:
+                results[constrained] = measured
             engine.prune(root, kids)
         (free_s, _), (constrained_s, (fill_s, wait_s, apply_s)) = results[False], results[True]
         print(f"{batch:>5} {1e3 * free_s:>13.2f} {1e3 * constrained_s:>15.2f} {100 * (constrained_s / free_s - 1):>8.0f}% "

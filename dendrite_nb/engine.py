@@ -330,12 +330,10 @@ class Engine:
         return outputs
 
     def _advance_matchers(self, branches: list[Branch], tokens: list[int]) -> list:
-        advanced = []
-        for branch, token in zip(branches, tokens):
-            if branch.matcher is not None:
-                self._guidance.consume(branch.matcher, token, branch.name)
-                advanced.append(branch.matcher)
-        return advanced
+        pairs = [(branch, token) for branch, token in zip(branches, tokens) if branch.matcher is not None]
+        if pairs:
+            self._guidance.consume([b.matcher for b, _ in pairs], [t for _, t in pairs], [b.name for b, _ in pairs])
+        return [b.matcher for b, _ in pairs]
 
     def _start_masks(self, resolved: list[Branch], active: list[int]):
         """(rows, future bitmask) for the constrained rows among `active`, or None when there are none."""

@@ -83,8 +83,12 @@ class Guidance:
     def close(self) -> None:
         self._filler.shutdown(wait=True)
 
-    @staticmethod
-    def consume(matcher, token: int, branch_name: str) -> None:
-        if not matcher.consume_token(token):
-            raise ConstraintError(f"branch {branch_name!r}: the grammar refused token {token} ({matcher.get_error()}); "
-                                  f"this is a bug in the masking, please report it.")
+    def consume(self, matchers: list, tokens: list[int], branch_names: list[str]) -> None:
+        """Advance each matcher by its sampled token, in parallel on llguidance's threads."""
+        import llguidance.torch as lltorch
+
+        accepted = lltorch.consume_token_par(self.executor, list(zip(matchers, tokens)))
+        for ok, matcher, token, name in zip(accepted, matchers, tokens, branch_names):
+            if not ok:
+                raise ConstraintError(f"branch {name!r}: the grammar refused token {token} ({matcher.get_error()}); "
+                                      f"this is a bug in the masking, please report it.")
