@@ -21,7 +21,11 @@ def tree_snapshot(tree: BranchTree) -> dict[str, Any]:
         }
         for node in tree.nodes()
     ]
-    branches = {name: {"node": b.node.id, "num_tokens": len(b)} for name, b in sorted(tree.branches.items())}
+    branches = {name: {"node": b.node.id, "num_tokens": len(b),
+                       # the constraint it decodes under, e.g. "json_schema (Crossing)", and whether it is complete
+                       "constraint": None if b.constraint is None else b.constraint.describe(),
+                       "constraint_complete": b.matcher is not None and b.matcher.is_stopped()}
+                for name, b in sorted(tree.branches.items())}
     return {"block_size": tree.block_size, "nodes": nodes, "branches": branches}
 
 

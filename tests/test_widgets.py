@@ -259,3 +259,15 @@ def test_a_slow_view_widens_its_gap_to_keep_its_share_of_the_engine_small(eng):
     assert feed.gap_s == pytest.approx(0.02 / 0.05)
     assert 2 <= feed.flushes <= 1.0 / 0.4 + 2   # instead of the ~10 a cheap view would send
     feed.close()
+
+
+def test_the_tree_view_names_each_branch_constraint_and_whether_it_is_complete(eng):
+    eng.fork("root", names=["json", "free"])
+    eng.constrain("json", {"choices": ["yes", "no"]})
+    view = TreeView(eng, interval_s=0)
+    node = next(n for n in view._nodes if "json" in n["branches"])
+    assert node["constraints"] == ["json: choices (2 options)"]
+    eng.generate(["json", "free"], 8, SAMPLE)   # the views follow: json completes its choice
+    json_node = next(n for n in view._nodes if n["branches"] == ["json"])
+    assert json_node["constraints"] == ["json: choices (2 options) (complete)"]
+    assert next(n for n in view._nodes if n["branches"] == ["free"])["constraints"] == []

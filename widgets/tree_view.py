@@ -85,6 +85,9 @@ class TreeView(EngineView):
                 "id": node["id"], "parent": node["parent"], "label": node_label(node),
                 "branches": node["branches"], "start": node["start"], "num_tokens": node["num_tokens"],
                 "state": state, "tail": engine.decode(node["tokens"][-TAIL_TOKENS:]) if engine.tokenizer else "",
+                "constraints": [f"{name}: {info['constraint']}{' (complete)' if info['constraint_complete'] else ''}"
+                                for name in node["branches"]
+                                if (info := snapshot["branches"][name])["constraint"] is not None],
             })
             blocks += node["blocks"]
             offsets.append(len(blocks))

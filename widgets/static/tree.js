@@ -55,6 +55,7 @@ function tooltipText(node, blocks, refcounts) {
     `blocks: ${ids.join(", ") || "none"}${more}`,
     `refcounts: ${refs.join(", ") || "–"}${more}`,
   ];
+  for (const constraint of node.constraints || []) lines.push(`constraint ${constraint}`);
   if (node.tail) lines.push(`…${node.tail}`);
   return lines.join("\n");
 }
