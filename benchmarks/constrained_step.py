@@ -7,19 +7,28 @@ active), the time llguidance spent filling masks (on its worker thread, overlapp
 the part of it the decode loop actually waited for, and applying the masks to the logits.
 
     python benchmarks/constrained_step.py [--steps 64] [--batches 1 16 64] [--device cpu] [--repeats 3]
+                                          [--vocab 128000]
+
+The test checkpoints' tokenizer has 512 tokens. Mask cost grows with the vocabulary, so `--vocab N`
+instead trains a byte-level BPE of N tokens on a synthetic Zipf-distributed corpus (about 10 s for
+128,000) and pairs it with the same tiny random model, widened to that vocabulary.
 """
 from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
+import string
 import tempfile
 import time
 
 import torch
 
 from dendrite_nb import Engine, SamplingParams, StepHistory
-from dendrite_nb.testing import write_tiny_checkpoint
+from dendrite_nb.model.config import ModelConfig
+from dendrite_nb.model.loader import random_model
+from dendrite_nb.testing import TINY_SHAPES, write_tiny_checkpoint
 
 # An array of long strings: valid JSON all along, never complete within the measured steps.
 SCHEMA = {"type": "array", "items": {"type": "string", "minLength": 4000}, "minItems": 2}
@@ -61,6 +70,28 @@ class Timings:
         guidance.fill, guidance.start_fill, guidance.apply = timed_fill, timed_start_fill, timed_apply
 
 
+def large_vocab_engine(vocab_size: int, device: str) -> Engine:
+    """The tiny llama shape with random weights and a BPE of `vocab_size` tokens trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_letters) for _ in range(rng.randint(2, 12))) for _ in range(200_000)]
+    corpus = " ".join(rng.choices(words, weights=[1 / (i + 1) for i in range(len(words))], k=1_500_000))
+    corpus += " " + string.printable   # every JSON character, as its own token at least
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=vocab_size - 1, show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.add_special_tokens(["<|end_of_text|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end_of_text|>")
+    config = ModelConfig.from_hf(TINY_SHAPES["llama-gqa-untied"].hf_config(
+        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    return Engine(random_model(config, torch.device(device), torch.float32), tokenizer, device=device,
+                  num_blocks=4096, block_size=16)
+
+
 def mean_full_batch_step_s(history: StepHistory, batch: int) -> float:
     full = [s for s, b in zip(history.step_s, history.batch_sizes) if b == batch]
     return statistics.mean(full[1:] if len(full) > 1 else full)
@@ -72,11 +103,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=None, help="train a BPE of this many tokens (default: 512)")
     args = parser.parse_args()
-    checkpoint = write_tiny_checkpoint(tempfile.mkdtemp(), "llama-gqa-untied")
-    engine = Engine.from_pretrained(checkpoint, device=args.device, num_blocks=4096, block_size=16)
+    if args.vocab is None:
+        checkpoint = write_tiny_checkpoint(tempfile.mkdtemp(), "llama-gqa-untied")
+        engine = Engine.from_pretrained(checkpoint, device=args.device, num_blocks=4096, block_size=16)
+    else:
+        engine = large_vocab_engine(args.vocab, args.device)
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"device {args.device}; tiny llama-gqa-untied, vocab {engine.config.vocab_size}")
+          f"device {args.device}; tiny llama-gqa-untied, vocab {engine.config.vocab_size:,}")
     # Warm up: the LLTokenizer is built once per engine, and the mask kernel compiles per batch shape.
     for batch in args.batches:
         kids = engine.fork(engine.new_branch(f"warm{batch}", "x"), batch)
