@@ -191,19 +191,22 @@ class Engine:
         The grammar position survives across calls and is copied by fork. Invalid specs raise
         ConstraintError (llguidance's message) and change nothing."""
         resolved = self.branch_tree.resolve(branch)
-        constraint, matcher = self._new_matcher(spec)
-        resolved.constraint, resolved.matcher = constraint, matcher
-        return constraint
-
-    def _new_matcher(self, spec: dict[str, Any] | Constraint | None):
         constraint = spec if isinstance(spec, Constraint) or spec is None else parse_constraint(spec)
         if constraint is None:
-            return None, None
+            resolved.constraint = resolved.matcher = None
+        else:
+            self._attach([resolved], constraint)
+        return constraint
+
+    def _attach(self, branches: list[Branch], constraint: Constraint) -> None:
+        """Put each branch at the start of the constraint's grammar: one compile, then copies."""
         if self._guidance is None:
             from .guidance import Guidance
 
             self._guidance = Guidance(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
-        return constraint, self._guidance.matcher(constraint)
+        first = self._guidance.matcher(constraint)   # raises before any branch changes
+        for index, branch in enumerate(branches):
+            branch.constraint, branch.matcher = constraint, first if index == 0 else first.deep_copy()
 
     def fork(self, branch: BranchRef, n: int | None = None, *, names: Sequence[str] | None = None) -> list[Branch]:
         """New branches at the same node: O(1) in context length; no KV block is touched."""
@@ -265,11 +268,13 @@ class Engine:
         KeyboardInterrupt) carrying the tokens of the completed steps, which the branches keep.
         """
         sampling = sampling if sampling is not None else SamplingParams()
+        if constraint is not None and not isinstance(constraint, Constraint):
+            constraint = parse_constraint(constraint)   # validated once, however many branches it goes to
         resolved = self.check_generate(branches, max_new_tokens, sampling, constraint)
         if constraint is not None:
-            attached = [self._new_matcher(constraint) for _ in resolved]   # all built before any is attached
-            for branch, (parsed, matcher) in zip(resolved, attached):
-                branch.constraint, branch.matcher = parsed, matcher
+            self._attach(resolved, constraint)
+        # Fixed for the whole call (nothing can constrain a branch mid-call): unconstrained calls skip it all.
+        constrained = any(b.matcher is not None for b in resolved)
         generators = [self._generator(b, sampling.seed) for b in resolved]
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
         outputs: list[list[int]] = [[] for _ in resolved]
@@ -278,7 +283,7 @@ class Engine:
         try:
             with DeferredInterrupt() as interrupt:
                 logits = self.next_logits(resolved)
-                masks = self._start_masks(resolved, active)
+                masks = self._start_masks(resolved, active) if constrained else None
                 for step in range(max_new_tokens):
                     started = time.perf_counter()
                     histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
@@ -287,25 +292,27 @@ class Engine:
                         self._guidance.apply(logits, masks[0], masks[1].result())
                     drawn = sample(logits, sampling, [generators[i] for i in active], histories).tolist()
                     # Constrained matchers advance now, so the next step's masks fill during the forward.
-                    advanced = self._advance_matchers([resolved[i] for i in active], drawn)
+                    advanced = self._advance_matchers([resolved[i] for i in active], drawn) if constrained else []
                     still_active, finished = [], []
                     for i, token in zip(active, drawn):
+                        outputs[i].append(token)
                         matcher = resolved[i].matcher
-                        done = (self._finished(outputs[i] + [token], sampling, stop_window)
+                        done = (self._finished(outputs[i], sampling, stop_window)
                                 or (matcher is not None and matcher.is_stopped()))
                         (finished if done else still_active).append(i)
-                    masks = self._start_masks(resolved, still_active) if step < max_new_tokens - 1 else None
+                    masks = (self._start_masks(resolved, still_active)
+                             if constrained and step < max_new_tokens - 1 else None)
                     try:
                         self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
-                    except BaseException:   # the step is undone: so are the matchers' moves
-                        if masks is not None:
+                    except BaseException:   # the step is undone: so are its outputs and the matchers' moves
+                        for i in active:
+                            outputs[i].pop()
+                        if masks is not None:   # the fill reads the matchers; let it finish before rolling back
                             masks[1].result()
                         for matcher in advanced:
                             matcher.rollback(1)
                         raise
                     steps_done += 1
-                    for i, token in zip(active, drawn):
-                        outputs[i].append(token)
                     last_step = not still_active or step == max_new_tokens - 1
                     if not last_step:
                         logits = self.next_logits([resolved[i] for i in still_active])
@@ -349,7 +356,7 @@ class Engine:
         constraint, a completed grammar); changes nothing."""
         resolved = self._resolve_list(branches)
         if constraint is not None and not isinstance(constraint, Constraint):
-            constraint = parse_constraint(constraint)
+            constraint = parse_constraint(constraint)   # generate passes it parsed already
         for branch in resolved:
             if constraint is None and branch.matcher is not None and branch.matcher.is_stopped():
                 raise ConstraintError(f"branch {branch.name!r} has completed its {branch.constraint.describe()}; "

@@ -45,7 +45,6 @@ class Guidance:
             raise ConstraintError("constraints need a tokenizer; this engine has none (built from random weights).")
         eos = sorted(eos_token_ids)
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
-        self.vocab_size = vocab_size
         self.executor = llguidance.LLExecutor(max(1, min(8, (os.cpu_count() or 2) - 1)))
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dendrite-mask")
 

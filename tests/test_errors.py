@@ -96,9 +96,10 @@ def test_an_interrupted_generate_keeps_completed_steps(populated, monkeypatch):
     engine, a, kids, _ = populated
     lengths = [len(k) for k in kids]
     interrupt_forward_call(monkeypatch, engine, 4)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as interrupted:
         engine.generate(kids, 10, SamplingParams(temperature=0.0))
     assert [len(k) for k in kids] == [n + 3 for n in lengths]  # three whole steps landed, the fourth was undone
+    assert [len(out) for out in interrupted.value.outputs] == [3] * len(kids)   # and it reports just those
     engine.audit()
     monkeypatch.undo()
     engine.generate(kids, 2, SamplingParams(temperature=0.0))  # and the engine carries on
