@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 import traitlets
 
-from .engine_view import STATIC, EngineView
+from .engine_view import EngineView, view_module
 
 MAX_READERS_SENT = 65_535   # readers travel as uint16; more than that is shown as the maximum
 
@@ -17,7 +17,7 @@ class BlockTableView(EngineView):
     block) carries a corner mark. Hover a cell for its block id, node, position and refcount.
     A canvas, not one element per block, so a 100,000-block pool draws in milliseconds."""
 
-    _esm = STATIC / "blocks.js"
+    _esm = view_module("blocks.js")
     selected = traitlets.Unicode(None, allow_none=True).tag(sync=True)  # a branch name, or None
     _num_blocks = traitlets.Int(0).tag(sync=True)
     _block_size = traitlets.Int(0).tag(sync=True)

@@ -16,6 +16,11 @@ from .feed import DEFAULT_INTERVAL_S, ThrottledFeed
 STATIC = Path(__file__).parent / "static"
 
 
+def view_module(name: str) -> str:
+    """A view's ESM source: the shared helpers in common.js, then the view's own file."""
+    return (STATIC / "common.js").read_text(encoding="utf-8") + (STATIC / name).read_text(encoding="utf-8")
+
+
 class EngineView(anywidget.AnyWidget):
     """Subclasses set `_esm` and implement `_state` (the synced traits' values for the engine's state
     now, computed without side effects) and optionally `_note` (cheap per-event bookkeeping). The

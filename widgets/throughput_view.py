@@ -9,7 +9,7 @@ from ipywidgets import widget_serialization
 from dendrite_nb import StepHistory
 from dendrite_nb.events import Event
 
-from .engine_view import STATIC, EngineView
+from .engine_view import EngineView, view_module
 from .plotly_library import PlotlyLibrary, plotly_library
 
 
@@ -18,7 +18,7 @@ class ThroughputView(EngineView):
     `history` an owner already records (the notebook session does) to show steps from before the
     view existed; otherwise the view records its own from now on."""
 
-    _esm = STATIC / "throughput.js"
+    _esm = view_module("throughput.js")
     _plotly = traitlets.Instance(PlotlyLibrary).tag(sync=True, **widget_serialization)
     _call = traitlets.Int(0).tag(sync=True)               # which generate call the arrays belong to
     _step_s = traitlets.Bytes(b"").tag(sync=True)         # float64 [steps]: wall time per step, seconds

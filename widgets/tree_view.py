@@ -9,7 +9,7 @@ import traitlets
 from dendrite_nb.events import Event
 
 from .branch_states import BranchStates
-from .engine_view import STATIC, EngineView
+from .engine_view import EngineView, view_module
 
 TAIL_TOKENS = 24          # tokens of a node's text shown in its tooltip
 MAX_LABEL_NAMES = 3       # branch names spelled out in a node's label; the rest are counted
@@ -54,7 +54,7 @@ class TreeView(EngineView):
     Hover for a node's text tail, tokens, blocks and refcounts; click a node to select its branch
     (again to cycle when several branches share it); the ▾ toggle collapses a subtree."""
 
-    _esm = STATIC / "tree.js"
+    _esm = view_module("tree.js")
     selected = traitlets.Unicode(None, allow_none=True).tag(sync=True)
     _nodes = traitlets.List().tag(sync=True)              # per node: id, parent, label, tokens, state, ...
     _block_offsets = traitlets.Bytes(b"").tag(sync=True)  # int32 [num_nodes + 1]: CSR offsets into _blocks

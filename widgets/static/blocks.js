@@ -4,10 +4,6 @@
 // user's own script) can find block i at column i % columns, row floor(i / columns).
 const READER_BUCKETS = 5;   // colours for 1, 2, 3, 4 and 5+ readers
 
-function typed(Kind, view) {
-  if (!view || view.byteLength === 0) return new Kind(0);
-  return new Kind(view.buffer.slice(view.byteOffset, view.byteOffset + view.byteLength));
-}
 function cellPixels(numBlocks) {
   if (numBlocks <= 4096) return 10;
   if (numBlocks <= 16384) return 6;
@@ -23,23 +19,14 @@ function packed(context, css) {
     : value.match(/[\d.]+/g).map(Number).map((v, i) => (i === 3 ? Math.round(v * 255) : v));
   return ((a << 24) | (b << 16) | (g << 8) | r) >>> 0;
 }
-function cssColour(root, name) {
-  return getComputedStyle(root).getPropertyValue(name).trim();
-}
 
 function render({ model, el }) {
-  const root = document.createElement("div");
-  root.className = "dendrite-view dendrite-blocks-view";
-  const summary = document.createElement("div");
-  summary.className = "dendrite-summary";
-  const error = document.createElement("div");
-  error.className = "dendrite-error";
-  const legend = document.createElement("div");
-  legend.className = "dendrite-legend";
+  const frame = viewFrame(el, "blocks");
+  const root = frame.root;
+  const legend = element("div", "dendrite-legend");
   const swatch = (attributes, style, text) => {
-    const item = document.createElement("span");
-    const mark = document.createElement("span");
-    mark.className = "dendrite-swatch";
+    const item = element("span");
+    const mark = element("span", "dendrite-swatch");
     for (const [key, value] of Object.entries(attributes)) mark.setAttribute(key, value);
     mark.setAttribute("style", style);
     item.append(mark, text);
@@ -52,15 +39,11 @@ function render({ model, el }) {
   }
   swatch({}, "background:transparent;border:2px solid var(--dendrite-selected)", "selected branch");
   swatch({}, "background:linear-gradient(135deg, var(--dendrite-copy) 50%, transparent 50%)", "copy-on-write copy");
-  const scroll = document.createElement("div");
-  scroll.className = "dendrite-scroll";
-  const canvas = document.createElement("canvas");
-  canvas.className = "dendrite-blocks";
+  const scroll = element("div", "dendrite-scroll");
+  const canvas = element("canvas", "dendrite-blocks");
   scroll.appendChild(canvas);
-  const tooltip = document.createElement("div");
-  tooltip.className = "dendrite-tooltip";
-  root.append(summary, error, legend, scroll, tooltip);
-  el.appendChild(root);
+  const tooltip = element("div", "dendrite-tooltip");
+  root.append(legend, scroll, tooltip);
 
   let data = null;
   function read() {
@@ -75,8 +58,7 @@ function render({ model, el }) {
       copies: typed(Uint8Array, model.get("_copy_on_write")),
       selectedBlocks: typed(Int32Array, model.get("_selected_blocks")),
     };
-    summary.textContent = model.get("_summary");
-    error.textContent = model.get("_error") ? `not updating: ${model.get("_error")}` : "";
+    showStatus(model, frame);
   }
 
   function paint() {
@@ -148,20 +130,11 @@ function render({ model, el }) {
     const column = Math.floor((event.clientX - box.left) / pitch), row = Math.floor((event.clientY - box.top) / pitch);
     const i = row * columns + column;
     if (column >= columns || i >= data.numBlocks) { tooltip.style.display = "none"; return; }
-    tooltip.textContent = describe(i);
-    tooltip.style.display = "block";
-    tooltip.style.left = `${event.clientX + 12}px`;
-    tooltip.style.top = `${event.clientY + 12}px`;
+    showTooltip(tooltip, describe(i), event);
   });
   canvas.addEventListener("mouseleave", () => { tooltip.style.display = "none"; });
 
-  // Backbone fires one change:* event per trait of a message; repaint once per frame instead.
-  let queued = false;
-  const update = () => {
-    if (queued) return;
-    queued = true;
-    requestAnimationFrame(() => { queued = false; read(); paint(); });
-  };
+  const update = oncePerFrame(() => { read(); paint(); });
   const events = "change:_readers change:_nodes change:_copy_on_write change:_selected_blocks change:_num_blocks change:_summary change:_error";
   model.on(events, update);
   // Theme switches change the CSS colours the canvas was painted with.

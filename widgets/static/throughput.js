@@ -3,10 +3,6 @@
 // loaded once per page; nothing is fetched from the network.
 const MARKER_LIMIT = 2000;   // above this many steps, lines only: markers would cost more than they show
 
-function typed(Kind, view) {
-  if (!view || view.byteLength === 0) return new Kind(0);
-  return new Kind(view.buffer.slice(view.byteOffset, view.byteOffset + view.byteLength));
-}
 
 function loadPlotly(model) {
   if (window.Plotly) return Promise.resolve(window.Plotly);
@@ -27,37 +23,27 @@ function loadPlotly(model) {
   return window.__dendritePlotly;
 }
 
-function cssColour(element, name, fallback) {
-  return getComputedStyle(element).getPropertyValue(name).trim() || fallback;
-}
 
 async function render({ model, el }) {
-  const root = document.createElement("div");
-  root.className = "dendrite-view dendrite-throughput-view";
-  const summary = document.createElement("div");
-  summary.className = "dendrite-summary";
-  const error = document.createElement("div");
-  error.className = "dendrite-error";
-  const plot = document.createElement("div");
-  plot.className = "dendrite-throughput";
+  const frame = viewFrame(el, "throughput");
+  const root = frame.root;
+  const plot = element("div", "dendrite-throughput");
   plot.style.width = "100%";
   plot.style.height = "360px";
-  root.append(summary, error, plot);
-  el.appendChild(root);
+  root.append(plot);
 
   let Plotly;
   try {
     Plotly = await loadPlotly(model);
   } catch (failure) {
-    error.textContent = `plotly.js could not be loaded: ${failure}`;
+    frame.error.textContent = `plotly.js could not be loaded: ${failure}`;
     return;
   }
 
   function draw() {
     const stepSeconds = typed(Float64Array, model.get("_step_s"));
     const batchSizes = typed(Uint32Array, model.get("_batch_sizes"));
-    summary.textContent = model.get("_summary");
-    error.textContent = model.get("_error") ? `not updating: ${model.get("_error")}` : "";
+    showStatus(model, frame);
     const steps = Array.from(stepSeconds, (_, i) => i);
     const tokensPerSecond = Array.from(stepSeconds, (s, i) => (s > 0 ? batchSizes[i] / s : null));
     const stepMs = Array.from(stepSeconds, (s) => 1e3 * s);
@@ -83,12 +69,7 @@ async function render({ model, el }) {
     Plotly.react(plot, data, layout, { displaylogo: false, responsive: true });
   }
 
-  let queued = false;
-  const schedule = () => {
-    if (queued) return;
-    queued = true;
-    requestAnimationFrame(() => { queued = false; draw(); });
-  };
+  const schedule = oncePerFrame(draw);
   const events = "change:_step_s change:_batch_sizes change:_summary change:_error change:_call";
   model.on(events, schedule);
   const themeWatch = new MutationObserver(schedule);

@@ -5,19 +5,11 @@ const ROW_PX = 22;
 const COLUMN_PX = 130;
 const MARGIN_PX = 24;
 
-function int32s(view) {
-  if (!view || view.byteLength === 0) return new Int32Array(0);
-  return new Int32Array(view.buffer.slice(view.byteOffset, view.byteOffset + view.byteLength));
-}
-function uint16s(view) {
-  if (!view || view.byteLength === 0) return new Uint16Array(0);
-  return new Uint16Array(view.buffer.slice(view.byteOffset, view.byteOffset + view.byteLength));
-}
 function svg(tag, attributes, parent) {
-  const element = document.createElementNS(SVG, tag);
-  for (const [key, value] of Object.entries(attributes)) element.setAttribute(key, value);
-  if (parent) parent.appendChild(element);
-  return element;
+  const made = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attributes)) made.setAttribute(key, value);
+  if (parent) parent.appendChild(made);
+  return made;
 }
 function radius(numTokens) {
   return Math.min(12, 3 + 0.6 * Math.sqrt(numTokens));
@@ -61,36 +53,26 @@ function tooltipText(node, blocks, refcounts) {
 }
 
 function render({ model, el }) {
-  const root = document.createElement("div");
-  root.className = "dendrite-view dendrite-tree-view";
-  const summary = document.createElement("div");
-  summary.className = "dendrite-summary";
-  const error = document.createElement("div");
-  error.className = "dendrite-error";
-  const legend = document.createElement("div");
-  legend.className = "dendrite-legend";
+  const frame = viewFrame(el, "tree");
+  const legend = element("div", "dendrite-legend");
   for (const state of ["idle", "decoding", "finished", "shared"]) {
-    const item = document.createElement("span");
+    const item = element("span");
     item.innerHTML = `<span class="dendrite-swatch" style="border-radius:50%;background:var(--dendrite-state-${state})"></span>${state === "shared" ? "shared prefix" : state}`;
     legend.appendChild(item);
   }
-  const scroll = document.createElement("div");
-  scroll.className = "dendrite-scroll";
-  const tooltip = document.createElement("div");
-  tooltip.className = "dendrite-tooltip";
-  root.append(summary, error, legend, scroll, tooltip);
-  el.appendChild(root);
+  const scroll = element("div", "dendrite-scroll");
+  const tooltip = element("div", "dendrite-tooltip");
+  frame.root.append(legend, scroll, tooltip);
 
   const collapsed = new Set();   // per view: two displays of one model may fold differently
 
   function draw() {
     const nodes = model.get("_nodes");
-    const offsets = int32s(model.get("_block_offsets"));
-    const blocks = int32s(model.get("_blocks"));
-    const refcounts = uint16s(model.get("_refcounts"));
+    const offsets = typed(Int32Array, model.get("_block_offsets"));
+    const blocks = typed(Int32Array, model.get("_blocks"));
+    const refcounts = typed(Uint16Array, model.get("_refcounts"));
     const selected = model.get("selected");
-    summary.textContent = model.get("_summary");
-    error.textContent = model.get("_error") ? `not updating: ${model.get("_error")}` : "";
+    showStatus(model, frame);
 
     const children = new Map();
     const index = new Map();
@@ -144,26 +126,15 @@ function render({ model, el }) {
         model.set("selected", node.branches[(current + 1) % node.branches.length]);
         model.save_changes();
       });
-      group.addEventListener("mousemove", (event) => {
-        tooltip.textContent = tooltipText(node, blocks.subarray(offsets[i], offsets[i + 1]),
-                                          refcounts.subarray(offsets[i], offsets[i + 1]));
-        tooltip.style.display = "block";
-        tooltip.style.left = `${event.clientX + 12}px`;
-        tooltip.style.top = `${event.clientY + 12}px`;
-      });
+      group.addEventListener("mousemove", (event) => showTooltip(tooltip, tooltipText(
+        node, blocks.subarray(offsets[i], offsets[i + 1]), refcounts.subarray(offsets[i], offsets[i + 1])), event));
       group.addEventListener("mouseleave", () => { tooltip.style.display = "none"; });
     }
     scroll.replaceChildren(canvas);
   }
 
   const events = "change:_nodes change:_blocks change:selected change:_summary change:_error";
-  // Backbone fires one change:* event per trait of a message; redraw once per frame instead.
-  let queued = false;
-  const schedule = () => {
-    if (queued) return;
-    queued = true;
-    requestAnimationFrame(() => { queued = false; draw(); });
-  };
+  const schedule = oncePerFrame(draw);
   model.on(events, schedule);
   draw();
   return () => model.off(events, schedule);
