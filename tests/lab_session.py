@@ -18,8 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import nbformat
-
 TOKEN = "dendrite-browser-test"
 STEP_TIMEOUT_MS = 60_000        # any single browser operation
 SERVER_START_TIMEOUT_S = 90
@@ -48,6 +46,8 @@ def missing_requirements() -> list[str]:
 
 
 def write_notebook(path: Path, sources: list[str]) -> None:
+    import nbformat   # here, not at the top: conftest imports this module on machines without nbformat too
+
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in sources]
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

@@ -58,3 +58,26 @@ def test_cuda_bfloat16_runs_close_to_float32(checkpoint):
     assert torch.nn.functional.cosine_similarity(logits32, logits16, dim=0) > 0.99
     assert len(half.generate([b], 8, SAMPLED)[0]) == 8
     half.audit()
+
+
+def test_cuda_constrained_outputs_parse_with_masks_applied_on_the_device(checkpoint):
+    """The constraint masks are filled on the CPU and applied to logits on the GPU (bf16 here)."""
+    import json
+
+    import jsonschema
+
+    from test_guidance import SCHEMAS
+
+    eng = Engine.from_pretrained(checkpoint(), device="cuda", dtype="bfloat16", num_blocks=8192, block_size=16)
+    names = []
+    for index, schema in enumerate(SCHEMAS):
+        eng.new_branch(f"s{index}", "Answer in JSON:")
+        eng.constrain(f"s{index}", {"json_schema": schema})
+        names.append(f"s{index}")
+    outputs = eng.generate(names, 1800, SamplingParams(temperature=1.0, seed=3))
+    for name, schema, tokens in zip(names, SCHEMAS, outputs):
+        assert eng.branch(name).matcher.is_stopped(), name
+        jsonschema.validate(json.loads(eng.tokenizer.decode(tokens, skip_special_tokens=True)), schema)
+    kids = eng.fork(eng.new_branch("ask", "Which way?"), 8)
+    for tokens in eng.generate(kids, 50, SamplingParams(temperature=1.0), constraint={"choices": ["left", "right"]}):
+        assert eng.tokenizer.decode(tokens, skip_special_tokens=True) in ("left", "right")
