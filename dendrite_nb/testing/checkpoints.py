@@ -1,5 +1,6 @@
 """Write random-weight HF-format checkpoints (tokenizer + config + safetensors) to disk."""
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -85,11 +86,26 @@ def write_tiny_checkpoint(
 
     # transformers 5 always writes safetensors (safe_serialization is gone). An int
     # max_shard_size is in bytes, and tied lm_head weights are left out as upstream does.
-    if max_shard_bytes is None:
-        model.save_pretrained(folder)
-    else:
-        model.save_pretrained(folder, max_shard_size=max_shard_bytes)
+    # transformers >= 5.2x draws a "Writing model shards" bar; it would land in notebook outputs.
+    with _no_progress_bars():
+        if max_shard_bytes is None:
+            model.save_pretrained(folder)
+        else:
+            model.save_pretrained(folder, max_shard_size=max_shard_bytes)
     return folder
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _default_cache_dir() -> Path:
