@@ -2,9 +2,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVSegment:
+    """A run of context positions [start, end) that several batch rows read at once (tree-aware decode).
+
+    The rows' contexts are identical over [start, end), because the rows descend from one tree node;
+    a kernel reads these positions once for all of them and merges the partial results by log-sum-exp.
+    """
+
+    rows: tuple[int, ...]  # batch rows (indices into the layout's sequences) that attend to these positions
+    start: int  # first context position
+    end: int  # one past the last context position
+    blocks: tuple[int, ...]  # physical block of each logical block start // block_size .. (end - 1) // block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,21 +28,39 @@ class BatchLayout:
     q_lens: list[int]  # new tokens per sequence
     kv_lens: list[int]  # context per sequence after the new tokens are written
     block_tables: list[list[int]]  # physical block per logical block index, per sequence
+    # Decode only (every q_len is 1): each row's context [0, kv_len) cut into segments, shared ones read
+    # once for all their rows. None: every row reads its own block table (flat paged attention).
+    segments: list[KVSegment] | None = None
 
     @property
     def positions(self) -> list[int]:
         return [p for q, kv in zip(self.q_lens, self.kv_lens) for p in range(kv - q, kv)]
 
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens)
+
+
+class LayerKV(NamedTuple):
+    """One layer's slice of the KV pool. Caches are [num_blocks, block_size, kv_heads, head_dim] in the pool's
+    kv dtype. With an fp8 pool each token's K and V head vectors carry their own dequantisation scale."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads] float32, fp8 pools only
+    v_scale: torch.Tensor | None = None
+
 
 class AttentionBackend(Protocol):
     name: str
+    # Whether attend() reads BatchLayout.segments (the engine only builds them for backends that do).
+    reads_segments: bool
 
     def plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> Any:
         """Build the per-forward metadata (device tensors) shared by every layer. Mutates nothing."""
 
-    def append_kv(self, plan: Any, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' k, v [T, kv_heads, head_dim] into the caches [blocks, block, kv_heads, head_dim]."""
+    def append_kv(self, plan: Any, kv: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' k, v [T, kv_heads, head_dim] into the layer's caches (quantising for fp8)."""
 
-    def attend(self, plan: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, plan: Any, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """Causal attention of q [T, heads, head_dim] over each sequence's cached context -> [T, heads, head_dim]."""

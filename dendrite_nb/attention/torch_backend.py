@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BatchLayout
+from .base import BatchLayout, LayerKV
 
 
 @dataclass(slots=True)
@@ -23,6 +23,7 @@ class TorchPlan:
 
 class TorchAttention:
     name = "torch"
+    reads_segments = False
 
     def plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> TorchPlan:
         batch = len(layout.q_lens)
@@ -49,12 +50,13 @@ class TorchAttention:
             mask=mask[:, None, None].to(device),
         )
 
-    def append_kv(self, plan: TorchPlan, k_cache, v_cache, k, v) -> None:
+    def append_kv(self, plan: TorchPlan, kv: LayerKV, k, v) -> None:
         kv_heads, head_dim = k.shape[1:]
-        k_cache.view(-1, kv_heads, head_dim)[plan.slot_mapping] = k.to(k_cache.dtype)
-        v_cache.view(-1, kv_heads, head_dim)[plan.slot_mapping] = v.to(v_cache.dtype)
+        kv.k.view(-1, kv_heads, head_dim)[plan.slot_mapping] = k.to(kv.k.dtype)
+        kv.v.view(-1, kv_heads, head_dim)[plan.slot_mapping] = v.to(kv.v.dtype)
 
-    def attend(self, plan: TorchPlan, q, k_cache, v_cache) -> torch.Tensor:
+    def attend(self, plan: TorchPlan, q, kv: LayerKV) -> torch.Tensor:
+        k_cache, v_cache = kv.k, kv.v
         num_heads, head_dim = q.shape[1:]
         kv_heads = k_cache.shape[2]
         group = num_heads // kv_heads

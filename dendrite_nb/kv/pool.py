@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.base import LayerKV
 from .allocator import BlockAllocator
 
 # A finite poison: 0 * NaN would leak NaN through masked attention, a finite value only shows where read.
@@ -34,9 +35,9 @@ class KVPool:
     def bytes_per_block(self) -> int:
         return self.kv[:, :, 0].numel() * self.kv.element_size()
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]."""
-        return [(layer[0], layer[1]) for layer in self.kv]
+    def layers(self) -> list[LayerKV]:
+        """Per layer LayerKV(k, v), each cache [num_blocks, block_size, kv_heads, head_dim]."""
+        return [LayerKV(layer[0], layer[1]) for layer in self.kv]
 
     def copy_block(self, src: int, dst: int) -> None:
         self.kv[:, :, dst] = self.kv[:, :, src]

@@ -42,7 +42,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.shape = (heads, kv_heads, head_dim)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, backend, plan) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv, backend, plan) -> torch.Tensor:
         heads, kv_heads, head_dim = self.shape
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, heads, head_dim)
@@ -51,8 +51,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        backend.append_kv(plan, k_cache, v_cache, k, v)
-        out = backend.attend(plan, q, k_cache, v_cache)  # [T, heads, head_dim]
+        backend.append_kv(plan, kv, k, v)
+        out = backend.attend(plan, q, kv)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(tokens, heads * head_dim))
 
 
@@ -76,8 +76,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, backend, plan) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, backend, plan)
+    def forward(self, x, cos, sin, kv, backend, plan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, backend, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,13 +107,13 @@ class CausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.config, device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers: list[Any],
                 backend: Any, plan: Any) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]; writes each token's KV."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_layers):
-            x = layer(x, cos, sin, k_cache, v_cache, backend, plan)
+        for layer, kv in zip(self.model.layers, kv_layers):  # kv: the layer's LayerKV
+            x = layer(x, cos, sin, kv, backend, plan)
         return self.model.norm(x)
 
     @torch.inference_mode()
