@@ -48,7 +48,7 @@ class Engine:
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = parse_dtype(kv_dtype) if kv_dtype is not None else self.dtype
-        self.backend = make_backend(attention)
+        self.backend = make_backend(attention, self.device, self.dtype, self.config.head_dim, self.kv_dtype)
         if prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens

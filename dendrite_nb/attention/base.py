@@ -56,6 +56,11 @@ class AttentionBackend(Protocol):
     # Whether attend() reads BatchLayout.segments (the engine only builds them for backends that do).
     reads_segments: bool
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int,
+                           kv_dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run a model of this dtype / head_dim / KV dtype on `device`, or None."""
+
     def plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> Any:
         """Build the per-forward metadata (device tensors) shared by every layer. Mutates nothing."""
 

@@ -25,6 +25,10 @@ class TorchAttention:
     name = "torch"
     reads_segments = False
 
+    @classmethod
+    def unavailable_reason(cls, device, dtype, head_dim, kv_dtype) -> str | None:
+        return None  # plain torch runs everywhere
+
     def plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> TorchPlan:
         batch = len(layout.q_lens)
         max_q, max_kv = max(layout.q_lens), max(layout.kv_lens)
