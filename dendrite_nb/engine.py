@@ -25,6 +25,8 @@ from .sampling import SamplingParams, derive_seed, sample
 from .snapshot import block_snapshot, tree_snapshot
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache may also be fp8 (e4m3 with a float32 scale per token and KV head, kv/fp8.py); weights may not.
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 CPU_KV_BUDGET_BYTES = 1 << 30
 CUDA_KV_FRACTION = 0.85  # of the memory free after the weights; the rest is for activations
 
@@ -32,12 +34,12 @@ BranchRef = Branch | str
 TokensLike = str | Sequence[int]
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+def parse_dtype(dtype: str | torch.dtype, choices: dict[str, torch.dtype] = DTYPES, what: str = "dtype") -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in choices.values():
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}.")
-    return DTYPES[dtype]
+    if dtype not in choices:
+        raise ValueError(f"{what} {dtype!r} is not supported; choose one of {sorted(choices)}.")
+    return choices[dtype]
 
 
 class Engine:
@@ -47,7 +49,7 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, model.config
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
-        self.kv_dtype = parse_dtype(kv_dtype) if kv_dtype is not None else self.dtype
+        self.kv_dtype = parse_dtype(kv_dtype, KV_DTYPES, "kv_dtype") if kv_dtype is not None else self.dtype
         self.backend = make_backend(attention, self.device, self.dtype, self.config.head_dim, self.kv_dtype)
         if prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {prefill_chunk_tokens}")
@@ -100,7 +102,8 @@ class Engine:
         return cls(model, None, device=device, **options)
 
     def _default_num_blocks(self, block_size: int) -> int:
-        bytes_per_block = self.config.kv_bytes_per_token * block_size * torch.finfo(self.kv_dtype).bits // 8
+        bytes_per_block = KVPool.block_bytes(num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
+                                             head_dim=self.config.head_dim, block_size=block_size, dtype=self.kv_dtype)
         if self.device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free_bytes * CUDA_KV_FRACTION)

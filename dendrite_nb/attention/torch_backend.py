@@ -1,7 +1,8 @@
 """Reference paged attention in plain torch: gathers each sequence's KV through its block table.
 
 It pads the batch to [sequences, longest q, longest context], which is simple and exact but spends
-memory on padding; the fast backends read pages directly.
+memory on padding; the fast backends read pages directly. An fp8 pool is quantised on write and
+dequantised on read with kv/fp8.py, one scale per token and KV head.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.fp8 import dequantize, quantize
 from .base import BatchLayout, LayerKV
 
 
@@ -56,8 +58,13 @@ class TorchAttention:
 
     def append_kv(self, plan: TorchPlan, kv: LayerKV, k, v) -> None:
         kv_heads, head_dim = k.shape[1:]
-        kv.k.view(-1, kv_heads, head_dim)[plan.slot_mapping] = k.to(kv.k.dtype)
-        kv.v.view(-1, kv_heads, head_dim)[plan.slot_mapping] = v.to(kv.v.dtype)
+        for new, cache, scale in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
+            if scale is None:
+                cache.view(-1, kv_heads, head_dim)[plan.slot_mapping] = new.to(cache.dtype)
+            else:
+                values, scales = quantize(new)  # [T, KVH, D] fp8, [T, KVH] float32
+                cache.view(-1, kv_heads, head_dim)[plan.slot_mapping] = values
+                scale.view(-1, kv_heads)[plan.slot_mapping] = scales
 
     def attend(self, plan: TorchPlan, q, kv: LayerKV) -> torch.Tensor:
         k_cache, v_cache = kv.k, kv.v
@@ -65,8 +72,8 @@ class TorchAttention:
         kv_heads = k_cache.shape[2]
         group = num_heads // kv_heads
         batch, max_q = plan.q_index.shape
-        keys = k_cache.view(-1, kv_heads, head_dim)[plan.kv_slots].float().permute(0, 2, 1, 3)  # [B, KVH, S, D]
-        values = v_cache.view(-1, kv_heads, head_dim)[plan.kv_slots].float().permute(0, 2, 1, 3)
+        keys = _gather(k_cache, kv.k_scale, plan.kv_slots).permute(0, 2, 1, 3)  # [B, KVH, S, D]
+        values = _gather(v_cache, kv.v_scale, plan.kv_slots).permute(0, 2, 1, 3)
         queries = q[plan.q_index].float().view(batch, max_q, kv_heads, group, head_dim)
         queries = queries.permute(0, 2, 3, 1, 4)  # [B, KVH, G, Lq, D]
         scores = torch.matmul(queries, keys[:, :, None].transpose(-1, -2)) * head_dim ** -0.5  # [B, KVH, G, Lq, S]
@@ -74,3 +81,12 @@ class TorchAttention:
         out = torch.matmul(torch.softmax(scores, dim=-1), values[:, :, None])  # [B, KVH, G, Lq, D]
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)
         return out[plan.q_valid].to(q.dtype)  # [T, H, D]: rows of q_valid in order are the new tokens in order
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, KVH, D] at flat slots [B, S] -> float32 [B, S, KVH, D], dequantised if fp8."""
+    kv_heads, head_dim = cache.shape[2:]
+    gathered = cache.view(-1, kv_heads, head_dim)[slots]
+    if scale is None:
+        return gathered.float()
+    return dequantize(gathered, scale.view(-1, kv_heads)[slots])

@@ -5,13 +5,21 @@ import torch
 
 from ..attention.base import LayerKV
 from .allocator import BlockAllocator
+from .fp8 import FP8_DTYPE
 
 # A finite poison: 0 * NaN would leak NaN through masked attention, a finite value only shows where read.
-CANARY = -7777.0
+# Exact in float32, bf16, fp16 and e4m3 (whose largest value is 448). A written fp8 vector is never all
+# -416: its largest element always quantises to +-448.
+CANARY = -416.0
+SCALE_BYTES = 4  # one float32 per token, KV head and K/V, fp8 pools only
 
 
 class KVPool:
-    """kv [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]; blocks are shared by all layers."""
+    """kv [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]; blocks are shared by all layers.
+
+    An fp8 (float8_e4m3fn) pool also holds scales [num_layers, 2, num_blocks, block_size, kv_heads] float32,
+    the dequantisation scale of each stored K and V head vector (see kv/fp8.py); other pools have scales None.
+    """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, canaries: bool = False):
@@ -19,34 +27,49 @@ class KVPool:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size, self.canaries = block_size, canaries
         self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.scales = None
+        if dtype == FP8_DTYPE:
+            self.scales = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, device=device)
+        self.bytes_per_block = self.block_bytes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                                block_size=block_size, dtype=dtype)
         self.allocator = BlockAllocator(
             num_blocks,
             on_allocate=self._check_canaries if canaries else None,
             on_free=self._poison if canaries else None,
         )
         if canaries:
-            self.kv.fill_(CANARY)
+            self._poison(slice(None))
+
+    @staticmethod
+    def block_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers: K and V, plus their scales in an fp8 pool."""
+        vectors = num_layers * 2 * block_size * num_kv_heads
+        return vectors * (head_dim * dtype.itemsize + (SCALE_BYTES if dtype == FP8_DTYPE else 0))
 
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.kv[:, :, 0].numel() * self.kv.element_size()
-
     def layers(self) -> list[LayerKV]:
-        """Per layer LayerKV(k, v), each cache [num_blocks, block_size, kv_heads, head_dim]."""
-        return [LayerKV(layer[0], layer[1]) for layer in self.kv]
+        """Per layer LayerKV(k, v, k_scale, v_scale): caches [num_blocks, block_size, kv_heads, head_dim],
+        scales [num_blocks, block_size, kv_heads] (None unless fp8). Views: writes land in the pool."""
+        if self.scales is None:
+            return [LayerKV(layer[0], layer[1]) for layer in self.kv]
+        return [LayerKV(layer[0], layer[1], scales[0], scales[1]) for layer, scales in zip(self.kv, self.scales)]
 
     def copy_block(self, src: int, dst: int) -> None:
         self.kv[:, :, dst] = self.kv[:, :, src]
+        if self.scales is not None:
+            self.scales[:, :, dst] = self.scales[:, :, src]
 
-    def _poison(self, block_ids: list[int]) -> None:
+    def _poison(self, block_ids: list[int] | slice) -> None:
         self.kv[:, :, block_ids] = CANARY
+        if self.scales is not None:  # a read of a freed fp8 block then dequantises to a glaring -416 * -416
+            self.scales[:, :, block_ids] = CANARY
 
     def _untouched(self, block_ids: list[int]) -> bool:
-        return bool((self.kv[:, :, block_ids] == CANARY).all())
+        kv_untouched = bool((self.kv[:, :, block_ids] == CANARY).all())
+        return kv_untouched and (self.scales is None or bool((self.scales[:, :, block_ids] == CANARY).all()))
 
     def _check_canaries(self, block_ids: list[int]) -> None:
         if not self._untouched(block_ids):
