@@ -18,6 +18,7 @@ from .errors import CheckpointError, ConstraintError, ContextOverflow, EmptyBran
 from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
 from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
+from .kv.cascade import build_segments
 from .model.config import ModelConfig
 from .model.loader import load_model, random_model, read_config
 from .model.transformer import CausalLM
@@ -51,6 +52,8 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = parse_dtype(kv_dtype, KV_DTYPES, "kv_dtype") if kv_dtype is not None else self.dtype
         self.backend = make_backend(attention, self.device, self.dtype, self.config.head_dim, self.kv_dtype)
+        if hasattr(self.backend, "configure"):  # backends whose plans depend on the head layout
+            self.backend.configure(self.config.num_heads, self.config.num_kv_heads)
         if prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -490,11 +493,13 @@ class Engine:
             raise
 
     def _forward(self, chunk: list[tuple[AppendRecord, list[int]]]) -> None:
-        layout = BatchLayout(
-            q_lens=[len(tokens) for _, tokens in chunk],
-            kv_lens=[record.node.end for record, _ in chunk],
-            block_tables=[self.branch_tree.block_table(record.node) for record, _ in chunk],
-        )
+        q_lens = [len(tokens) for _, tokens in chunk]
+        tables = [self.branch_tree.block_table(record.node) for record, _ in chunk]
+        segments = None
+        if self.backend.reads_segments and all(q == 1 for q in q_lens):  # a decode step: read shared nodes once
+            segments = build_segments(self.branch_tree, [record.node for record, _ in chunk], tables)
+        layout = BatchLayout(q_lens=q_lens, kv_lens=[record.node.end for record, _ in chunk], block_tables=tables,
+                             segments=segments)
         for record, _ in chunk:
             if record.cow is not None:
                 self.pool.copy_block(*record.cow)

@@ -1,6 +1,12 @@
 """Shared fixtures: tiny HF checkpoints written once per test session, and engine/state helpers."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its CPU interpreter here; it must be on before any kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dendrite_nb import Engine
 from dendrite_nb.testing import TINY_SHAPES, write_tiny_checkpoint

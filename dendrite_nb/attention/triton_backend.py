@@ -1,0 +1,208 @@
+"""Paged attention in Triton: prefill, flat decode and tree-aware decode through one kernel.
+
+plan() turns the layout into work items on the host (see triton_kernels.py for the item table), packs
+every index array into one int32 buffer and sends it to the device in one non-blocking copy from pinned
+memory; attend() launches the item kernel (once per tile width) and the merge kernel, with no host sync.
+For a decode batch with segments (BatchLayout.segments, built by kv/cascade.py), a shared prefix is one
+item per tile of rows: its KV is read once for all of them.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import BatchLayout, LayerKV
+
+BLOCK_N = 64  # KV positions per inner step
+INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small tiles keep tests fast
+WIDE_BLOCK_M = 64  # query vectors (rows x group heads) per item for segments read by many rows
+MIN_CHUNK_TOKENS = 256  # a long run is split into chunks of at least this many positions for parallelism
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(slots=True)
+class _Launch:
+    items: torch.Tensor  # [W, ITEM_COLS] int32 on the device
+    block_m: int
+
+
+@dataclass(slots=True)
+class TritonPlan:
+    num_tokens: int
+    num_slots: int
+    slot_mapping: torch.Tensor  # [T] int64 flat cache slot of each new token
+    launches: list[_Launch]
+    entry_rows: torch.Tensor  # [E] int32 query token of each (item, row) entry
+    entry_pos: torch.Tensor  # [E] int32 its position, for the causal mask
+    block_ids: torch.Tensor  # [NB] int32 the blocks the items read
+    slot_indptr: torch.Tensor  # [T + 1] int32 CSR: slots of token t are slots[indptr[t]:indptr[t+1]]
+    slots: torch.Tensor  # [S] int32
+    host: torch.Tensor | None = None  # the pinned staging buffer; kept alive until its copy has run
+    scratch: dict = field(default_factory=dict)  # partial outputs, allocated by the first layer, reused
+
+
+class TritonAttention:
+    name = "triton"
+    reads_segments = True
+
+    def __init__(self, block_m_wide: int = WIDE_BLOCK_M, min_chunk_tokens: int = MIN_CHUNK_TOKENS):
+        self.block_m_wide, self.min_chunk_tokens = block_m_wide, min_chunk_tokens
+        self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
+        self._sms: dict[torch.device, int] = {}
+
+    @classmethod
+    def unavailable_reason(cls, device, dtype, head_dim, kv_dtype) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except Exception as error:
+            return f"triton cannot be imported ({error})"
+        if device.type != "cuda" and not interpreting():
+            return "Triton kernels need CUDA (or TRITON_INTERPRET=1, the slow CPU interpreter used by the tests)"
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            return "head_dim must be a power of two of at least 16"
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"dtype {dtype} is not supported"
+        if kv_dtype not in (dtype, torch.float8_e4m3fn):
+            return f"the KV dtype must be the model's or float8_e4m3fn, got {kv_dtype}"
+        return None
+
+    # ---- plan ---------------------------------------------------------------------------------------
+    def plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> TritonPlan:
+        runs = list(self._runs(layout))
+        narrow = max(16, 1 << (self.group - 1).bit_length())
+        widths = {narrow: [], max(narrow, self.block_m_wide): []}
+        chunk = self._chunk_tokens(runs, device)
+        entry_rows: list[int] = []
+        entry_pos: list[int] = []
+        block_ids: list[int] = []
+        token_slots: list[list[int]] = [[] for _ in range(sum(layout.q_lens))]
+        num_slots = 0
+        for tokens, positions, start, end, blocks in runs:
+            block_m = narrow if len(tokens) * self.group <= narrow else max(narrow, self.block_m_wide)
+            per_tile = block_m // self.group
+            block_off = len(block_ids) - start // block_size
+            block_ids.extend(blocks)
+            for first in range(0, len(tokens), per_tile):
+                tile = tokens[first: first + per_tile]
+                tile_pos = positions[first: first + per_tile]
+                hi = min(end, max(tile_pos) + 1)  # causal: a prefill tile reads nothing past its last token
+                entry_off = len(entry_rows)
+                entry_rows.extend(tile)
+                entry_pos.extend(tile_pos)
+                for lo in range(start, hi, chunk):
+                    widths[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots))
+                    for j, token in enumerate(tile):
+                        token_slots[token].append(num_slots + j)
+                    num_slots += len(tile)
+        indptr, slots = [0], []
+        for owned in token_slots:
+            slots.extend(owned)
+            indptr.append(len(slots))
+        slot_mapping = [table[p // block_size] * block_size + p % block_size
+                        for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
+                        for p in range(kv - q, kv)]
+        item_lists = [(block_m, items) for block_m, items in widths.items() if items]
+        flat_items = [value for _, items in item_lists for item in items for value in item]
+        host = torch.tensor(flat_items + entry_rows + entry_pos + block_ids + indptr + slots + slot_mapping,
+                            dtype=torch.int32)
+        on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        views, offset = [], 0
+        for length in (len(flat_items), len(entry_rows), len(entry_pos), len(block_ids), len(indptr), len(slots),
+                       len(slot_mapping)):
+            views.append(on_device[offset: offset + length])
+            offset += length
+        items_all, rows_t, pos_t, blocks_t, indptr_t, slots_t, mapping_t = views
+        launches, row = [], 0
+        for block_m, items in item_lists:
+            launches.append(_Launch(items_all[row * 6: (row + len(items)) * 6].view(len(items), 6), block_m))
+            row += len(items)
+        return TritonPlan(num_tokens=len(token_slots), num_slots=num_slots, slot_mapping=mapping_t.long(),
+                          launches=launches, entry_rows=rows_t, entry_pos=pos_t, block_ids=blocks_t,
+                          slot_indptr=indptr_t, slots=slots_t, host=host)
+
+    @staticmethod
+    def _runs(layout: BatchLayout):
+        """(query tokens, their positions, kv start, kv end, blocks from start // block_size) per KV run."""
+        if layout.segments is not None:
+            if not layout.is_decode:
+                raise ValueError("segments describe decode steps; a prefill layout must leave them None.")
+            for seg in layout.segments:
+                yield list(seg.rows), [layout.kv_lens[r] - 1 for r in seg.rows], seg.start, seg.end, seg.blocks
+            return
+        first = 0
+        for q, kv, table in zip(layout.q_lens, layout.kv_lens, layout.block_tables):
+            yield list(range(first, first + q)), list(range(kv - q, kv)), 0, kv, table
+            first += q
+
+    def _chunk_tokens(self, runs, device: torch.device) -> int:
+        """Positions per item: enough items to keep every multiprocessor busy, few enough partials to merge."""
+        work = sum(end - start for _, _, start, end, _ in runs)
+        if device.type != "cuda":
+            return max(self.min_chunk_tokens // 8, 1)  # the interpreter: small chunks exercise the merge
+        if device not in self._sms:
+            self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        target_items = max(1, 2 * self._sms[device] // max(1, self.num_kv_heads))
+        chunk = max(self.min_chunk_tokens, math.ceil(work / target_items))
+        return -(-chunk // BLOCK_N) * BLOCK_N
+
+    # ---- run ----------------------------------------------------------------------------------------
+    def append_kv(self, plan: TritonPlan, kv: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
+        kv_heads, head_dim = k.shape[1:]
+        if kv.k_scale is not None:
+            from ..kernels.kv_append import append_kv
+
+            append_kv(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)
+            return
+        kv.k.view(-1, kv_heads, head_dim)[plan.slot_mapping] = k.to(kv.k.dtype)
+        kv.v.view(-1, kv_heads, head_dim)[plan.slot_mapping] = v.to(kv.v.dtype)
+
+    def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        from .triton_kernels import merge_partials_kernel, segment_attention_kernel
+
+        tokens, num_heads, head_dim = q.shape
+        kv_heads = kv.k.shape[2]
+        group = num_heads // kv_heads
+        if group != self.group:  # tiles hold BLOCK_M // group rows, so the plan must know the group
+            raise RuntimeError(f"the plan was made for {self.group} query heads per KV head, the model has "
+                               f"{group}; call configure(num_heads, num_kv_heads) before planning.")
+        scratch = plan.scratch
+        if "out" not in scratch:
+            scratch["out"] = torch.empty(max(plan.num_slots, 1), num_heads, head_dim, dtype=torch.float32,
+                                         device=q.device)
+            scratch["lse"] = torch.empty(max(plan.num_slots, 1), num_heads, dtype=torch.float32, device=q.device)
+        partial, lse = scratch["out"], scratch["lse"]
+        fp8 = kv.k_scale is not None
+        ks = kv.k_scale if fp8 else partial  # any tensor: never read without FP8
+        vs = kv.v_scale if fp8 else partial
+        stride_sb, stride_st = (ks.stride(0), ks.stride(1)) if fp8 else (0, 0)
+        block_n = INTERPRET_BLOCK_N if interpreting() else BLOCK_N
+        for launch in plan.launches:
+            segment_attention_kernel[(launch.items.shape[0], kv_heads)](
+                q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos, plan.block_ids,
+                q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
+                partial.stride(0), partial.stride(1), head_dim ** -0.5 * 1.4426950408889634,
+                NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
+                BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
+                num_warps=4, num_stages=2,
+            )
+        out = torch.empty_like(q)
+        merge_partials_kernel[(tokens,)](
+            partial, lse, plan.slot_indptr, plan.slots, out,
+            partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, BLOCK_H=triton_next_pow2(num_heads), HEAD_DIM=head_dim, num_warps=4,
+        )
+        return out
+
+    def configure(self, num_heads: int, num_kv_heads: int) -> None:
+        """Tell the planner the model's head layout (rows per tile depend on the GQA group size)."""
+        self.group, self.num_kv_heads = num_heads // num_kv_heads, num_kv_heads
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,130 @@
+"""Triton kernels: attention of query rows over one run of paged KV, and the log-sum-exp merge of partials.
+
+One work item = (a run of context positions [kv_start, kv_end) read through a block list, up to
+BLOCK_M // GROUP query rows that all read that run). A program takes one item and one KV head: it loads
+the rows' query heads of that KV head's group as one [BLOCK_M, D] tile, so a shared prefix is read once
+for every row of the item and the scores are a matrix product on the tensor cores. Each (item, row)
+writes a normalised partial output and its log2-sum-exp into a slot; the merge kernel combines a row's
+slots. Flat paged decode is the special case of one row per item; prefill is items whose rows are
+consecutive tokens of one sequence, with the causal mask from each row's position.
+
+Item table columns (int32, ITEM_COLS per item): entry offset, rows, kv_start, kv_end, block offset (block
+of position p is block_ids[block_offset + p // BS]), first slot (row j of the item writes slot + j).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ITEM_COLS = 6
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def segment_attention_kernel(
+    Q, K, V, KS, VS, OUT_P, LSE_P, ITEMS, ENTRY_ROWS, ENTRY_POS, BLOCK_IDS,
+    stride_qt, stride_qh,  # q [T, heads, D]
+    stride_kb, stride_kt, stride_kh,  # k/v caches [blocks, BS, kv_heads, D] (views of the pool: own strides)
+    stride_sb, stride_st,  # fp8 scales [blocks, BS, kv_heads]
+    stride_ps, stride_ph,  # partial outputs [slots, heads, D]; lse [slots, heads] is contiguous
+    qk_scale,  # head_dim ** -0.5 * log2(e): scores in the log2 domain
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    base = ITEMS + item * 6
+    entry_off = tl.load(base)
+    num_rows = tl.load(base + 1)
+    kv_start = tl.load(base + 2)
+    kv_end = tl.load(base + 3)
+    block_off = tl.load(base + 4)
+    slot0 = tl.load(base + 5)
+    if num_rows > 0:  # padding items (fixed grids for CUDA graphs) do nothing
+        m = tl.arange(0, BLOCK_M)
+        row_local = m // GROUP
+        head = kv_head * GROUP + m % GROUP
+        m_valid = row_local < num_rows
+        rows = tl.load(ENTRY_ROWS + entry_off + row_local, mask=m_valid, other=0)
+        q_pos = tl.load(ENTRY_POS + entry_off + row_local, mask=m_valid, other=-1)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=m_valid[:, None], other=0.0)
+        if FP8:
+            q = q.to(tl.bfloat16)
+        # Causal: nothing past the last row's position is read (prefill tiles stop at their diagonal).
+        hi = tl.minimum(kv_end, tl.max(q_pos, 0) + 1)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for start in range(kv_start, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            p_valid = pos < hi
+            block = tl.load(BLOCK_IDS + block_off + pos // BS, mask=p_valid, other=0)
+            slot = block.to(tl.int64) * stride_kb + (pos % BS) * stride_kt + kv_head * stride_kh
+            k = tl.load(K + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
+            v = tl.load(V + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
+            if FP8:
+                k = k.to(tl.bfloat16)
+                v = v.to(tl.bfloat16)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            if FP8:
+                scale_at = block.to(tl.int64) * stride_sb + (pos % BS) * stride_st + kv_head
+                s = s * tl.load(KS + scale_at, mask=p_valid, other=0.0)[None, :]
+            s = s * qk_scale
+            s = tl.where(p_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if FP8:
+                p = p * tl.load(VS + scale_at, mask=p_valid, other=0.0)[None, :]
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        slot_of = (slot0 + row_local).to(tl.int64)
+        tl.store(OUT_P + slot_of[:, None] * stride_ps + head[:, None] * stride_ph + d[None, :], out,
+                 mask=m_valid[:, None])
+        tl.store(LSE_P + slot_of * NUM_HEADS + head, lse, mask=m_valid)
+
+
+@triton.jit
+def merge_partials_kernel(
+    OUT_P, LSE_P, SLOT_INDPTR, SLOTS, OUT,
+    stride_ps, stride_ph, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """out[row] = the softmax-weighted combination of the row's partial outputs (0 for padding rows)."""
+    row = tl.program_id(0)
+    first = tl.load(SLOT_INDPTR + row)
+    last = tl.load(SLOT_INDPTR + row + 1)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    h_valid = h < NUM_HEADS
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for i in range(first, last):
+        slot = tl.load(SLOTS + i).to(tl.int64)
+        lse = tl.load(LSE_P + slot * NUM_HEADS + h, mask=h_valid, other=float("-inf"))
+        part = tl.load(OUT_P + slot * stride_ps + h[:, None] * stride_ph + d[None, :], mask=h_valid[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        beta = tl.math.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + part * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(OUT + row * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=h_valid[:, None])

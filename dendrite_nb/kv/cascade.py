@@ -1,0 +1,85 @@
+"""Cut a decode batch's contexts into KV segments, so each shared tree node is read once per step.
+
+Plain Python, no torch. Rows of a decode batch are leaves of the branch tree; every node on a row's path
+is a run of positions [node.start, node.end) that all rows under the node share. A node read by two or
+more rows, long enough for sharing to pay, becomes one shared segment (a kernel reads its KV once for
+all those rows and merges the partial results by log-sum-exp). Everything else a row reads joins the
+row's private segments, read as flat paged attention would. Any tree depth works: a row's segments are
+its shared ancestors, outermost first, with private runs between and after them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..attention.base import BatchLayout, KVSegment
+from .tree import Branch, BranchTree, Node
+
+# Below this many tokens a shared node is read per row instead: one more partial result per row to
+# merge costs about as much as re-reading a few blocks (see benchmarks/tree_attention.py).
+MIN_SHARED_TOKENS = 64
+
+
+def build_segments(tree: BranchTree, leaves: Sequence[Node], tables: Sequence[Sequence[int]],
+                   min_shared_tokens: int = MIN_SHARED_TOKENS) -> list[KVSegment]:
+    """Segments covering each row's context [0, leaves[row].end) exactly once. `tables[row]` is the row's
+    block table (tree.block_table(leaves[row])). Rows must be distinct leaves (a decode step gives each
+    branch its own node); reads the tree, changes nothing."""
+    size = tree.block_size
+    paths: list[list[Node]] = []
+    readers: dict[int, list[int]] = {}  # node id -> rows whose path holds it
+    for row, leaf in enumerate(leaves):
+        path, node = [], leaf
+        while node is not tree.root:
+            path.append(node)
+            readers.setdefault(node.id, []).append(row)
+            node = node.parent
+        path.reverse()
+        paths.append(path)
+
+    def is_shared(node: Node) -> bool:
+        return len(readers[node.id]) >= 2 and node.end - node.start >= min_shared_tokens
+
+    shared: dict[int, list] = {}  # id of a segment's first node -> [rows, start, end, deepest node]
+    segments: list[KVSegment] = []
+    for row, path in enumerate(paths):
+        run_start = None  # start of the private run being gathered
+        previous = None  # the shared segment just before, which an identical-readers node extends
+        for node in path:
+            if not is_shared(node):
+                run_start = node.start if run_start is None else run_start
+                previous = None
+                continue
+            if run_start is not None:
+                segments.append(_segment((row,), run_start, node.start, tables[row], size))
+                run_start = None
+            rows = readers[node.id]
+            if previous is not None and previous[0] == rows:   # a chain read by the same rows: one segment
+                previous[2], previous[3] = node.end, node
+                shared[node.id] = previous
+                continue
+            previous = shared.get(node.id)
+            if previous is None:
+                previous = shared[node.id] = [rows, node.start, node.end, node]
+        if run_start is not None:
+            segments.append(_segment((row,), run_start, path[-1].end, tables[row], size))
+    unique = {id(entry): entry for entry in shared.values()}   # a merged chain is listed under each of its nodes
+    for rows, start, end, deepest in unique.values():
+        segments.append(_segment(tuple(rows), start, end, tree.block_table(deepest), size))
+    return segments
+
+
+def _segment(rows: tuple[int, ...], start: int, end: int, table: Sequence[int], size: int) -> KVSegment:
+    return KVSegment(rows, start, end, tuple(table[start // size: (end - 1) // size + 1]))
+
+
+def decode_layout(tree: BranchTree, branches: Sequence[Branch], shared: bool = True,
+                  min_shared_tokens: int = MIN_SHARED_TOKENS) -> BatchLayout:
+    """The attention layout of one decode step in which each branch's last token is the query over its
+    whole context (what a step sees right after appending). shared=False leaves segments None (flat)."""
+    leaves = [b.node for b in branches]
+    if len({id(n) for n in leaves}) != len(leaves):
+        raise ValueError("two branches point at one node; a decode step gives each row its own leaf.")
+    tables = [tree.block_table(n) for n in leaves]
+    segments = build_segments(tree, leaves, tables, min_shared_tokens) if shared else None
+    return BatchLayout(q_lens=[1] * len(leaves), kv_lens=[n.end for n in leaves], block_tables=tables,
+                       segments=segments)

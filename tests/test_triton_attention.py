@@ -1,0 +1,161 @@
+"""The Triton attention backend (tree-aware decode, flat decode, prefill) against the torch reference.
+
+On the CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), in float32 with
+small shapes; the `gpu` tests repeat the checks on CUDA in float32 and bfloat16.
+"""
+import random
+
+import pytest
+import torch
+
+from dendrite_nb import Engine, SamplingParams
+from dendrite_nb.attention import BatchLayout, TorchAttention
+from dendrite_nb.attention.triton_backend import TritonAttention
+from dendrite_nb.kv.cascade import build_segments, decode_layout
+from dendrite_nb.testing import TINY_SHAPES
+
+pytest.importorskip("triton")
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def random_tree(eng: Engine, rng: random.Random, leaves: int, depth: int, vocab: int = 200):
+    """Grow a random tree of branches with varied node lengths (mid-block forks included); return leaves."""
+    root = eng.new_branch("r", [rng.randrange(vocab) for _ in range(rng.randrange(64, 120))])
+    frontier = [root]
+    for level in range(depth):
+        grown = []
+        for parent in frontier:
+            for kid in eng.fork(parent, rng.randrange(1, 4)):
+                eng.append(kid, [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))])
+                grown.append(kid)
+        frontier = grown[: max(2, leaves // (depth - level))]
+    return frontier[:leaves]
+
+
+def fill_random(eng: Engine, seed: int) -> None:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    eng.pool.kv.copy_(torch.randn(eng.pool.kv.shape, generator=generator).to(eng.pool.kv))
+
+
+def check_coverage(layout: BatchLayout, block_size: int) -> None:
+    """Every row reads each position of [0, kv_len) exactly once, and each segment names a block per
+    logical block it spans (the attention tests check those blocks hold the right tokens)."""
+    for row, kv in enumerate(layout.kv_lens):
+        seen = []
+        for seg in layout.segments:
+            assert len(seg.blocks) == (seg.end - 1) // block_size - seg.start // block_size + 1
+            if row in seg.rows:
+                seen.extend(range(seg.start, seg.end))
+        assert sorted(seen) == list(range(kv)), f"row {row} covers {len(seen)} of {kv} positions"
+
+
+@pytest.mark.parametrize("min_shared", [1, 16, 64])
+def test_segments_partition_each_context_and_share_nodes(min_shared):
+    rng = random.Random(min_shared)
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=2048, block_size=4)
+    leaves = random_tree(eng, rng, leaves=12, depth=3)
+    layout = decode_layout(eng.branch_tree, leaves, min_shared_tokens=min_shared)
+    check_coverage(layout, 4)
+    shared = [seg for seg in layout.segments if len(seg.rows) > 1]
+    assert shared, "a tree of forks must give shared segments"
+    assert all(seg.end - seg.start >= min_shared for seg in shared)
+    # the root prompt is read once for every leaf, not once per leaf
+    assert any(seg.start == 0 and len(seg.rows) == len(leaves) for seg in layout.segments)
+    flat_reads = sum(layout.kv_lens)
+    tree_reads = sum(seg.end - seg.start for seg in layout.segments)
+    assert tree_reads < flat_reads
+
+
+def test_chain_of_nodes_read_by_the_same_rows_is_one_segment():
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=512, block_size=4)
+    trunk = eng.new_branch("t", list(range(10)))
+    keep = eng.fork(trunk, names=["keep", "other"])  # trunk's node is now frozen; keep grows a child node
+    eng.append(keep[0], list(range(10, 40)))
+    kids = eng.fork(keep[0], 3)
+    for kid in kids:
+        eng.append(kid, [1, 2])
+    layout = decode_layout(eng.branch_tree, kids, min_shared_tokens=1)
+    shared = [seg for seg in layout.segments if len(seg.rows) == 3]
+    assert [(seg.start, seg.end) for seg in shared] == [(0, 40)]  # two nodes, one run
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied", "llama-mha-tied"])
+@pytest.mark.parametrize("min_shared", [1, 64])
+def test_tree_decode_attention_matches_reference(device, shape, min_shared):
+    rng = random.Random(7)
+    cfg = TINY_SHAPES[shape].hf_config(vocab_size=256)
+    eng = Engine.from_random(cfg, device=device, num_blocks=1024, block_size=4)
+    leaves = random_tree(eng, rng, leaves=10, depth=3)  # the model wrote real KV; copy-on-write tails match
+    kv = eng.pool.layers()[0]
+    heads, head_dim = eng.config.num_heads, eng.config.head_dim
+    q = torch.randn(len(leaves), heads, head_dim, device=device)
+    tree_layout = decode_layout(eng.branch_tree, leaves, min_shared_tokens=min_shared)
+    reference = TorchAttention()
+    expected = reference.attend(reference.plan(tree_layout, 4, eng.device), q, kv)
+    triton_backend = TritonAttention()
+    triton_backend.configure(heads, eng.config.num_kv_heads)
+    for layout in (tree_layout, decode_layout(eng.branch_tree, leaves, shared=False)):
+        got = triton_backend.attend(triton_backend.plan(layout, 4, eng.device), q, kv)
+        assert (got - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_attention_matches_reference_from_mid_block(device):
+    eng = Engine.from_random(TINY_SHAPES["qwen3-gqa-tied"].hf_config(vocab_size=256), device=device,
+                             num_blocks=256, block_size=4)
+    fill_random(eng, 2)
+    kv = eng.pool.layers()[1]
+    # three sequences: a fresh prompt, one continuing mid-block, one adding a single token
+    layout = BatchLayout(q_lens=[9, 6, 1], kv_lens=[9, 19, 30],
+                         block_tables=[[0, 1, 2], [3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]])
+    q = torch.randn(16, eng.config.num_heads, eng.config.head_dim, device=device)
+    reference = TorchAttention()
+    expected = reference.attend(reference.plan(layout, 4, eng.device), q, kv)
+    backend = TritonAttention()
+    backend.configure(eng.config.num_heads, eng.config.num_kv_heads)
+    got = backend.attend(backend.plan(layout, 4, eng.device), q, kv)
+    assert (got - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-mha-untied"])
+def test_triton_engine_matches_torch_engine_token_for_token(shape, checkpoint):
+    steps = 64 if torch.cuda.is_available() else 12
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    folder = checkpoint(shape)
+    engines = [Engine.from_pretrained(folder, device=device, attention=name, num_blocks=256, block_size=4, debug=True)
+               for name in ("torch", "triton")]
+    results = []
+    for eng in engines:
+        trunk = eng.new_branch("trunk", "A tree of thought, with branches that share a prompt")
+        eng.generate([trunk], 3, GREEDY)
+        kids = eng.fork(trunk, 3)                     # mid-block fork: copy-on-write runs
+        tokens = eng.generate(kids, steps, GREEDY)
+        results.append((tokens, eng.next_logits(kids)))
+        eng.audit()
+    assert results[0][0] == results[1][0]
+    assert (results[0][1] - results[1][1]).abs().max() < 1e-4
+
+
+def test_triton_fork_matches_linear_run(checkpoint):
+    eng = Engine.from_pretrained(checkpoint(), attention="triton", num_blocks=256, block_size=4)
+    sampled = SamplingParams(temperature=1.0, top_p=0.95, ignore_eos=True)
+    trunk = eng.new_branch("trunk", "A tree of thought, with branches")
+    eng.generate([trunk], 3, GREEDY)
+    kids = eng.fork(trunk, 4)
+    batched = eng.generate(kids, 6, sampled)
+    for i, kid in enumerate(kids):
+        alone = eng.new_branch(f"alone{i}", "A tree of thought, with branches", seed=kid.seed)
+        eng.generate([alone], 3, GREEDY)
+        assert eng.generate([alone], 6, sampled)[0] == batched[i]
+        assert (eng.next_logits([alone]) - eng.next_logits([kid])).abs().max() < 1e-4
+
+
+def test_auto_picks_a_backend_that_runs_here_and_bad_names_say_what_exists():
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=16,
+                             attention="auto")
+    assert eng.backend.name in ("triton", "torch")
+    with pytest.raises(ValueError, match="choose one of"):
+        Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=16,
+                           attention="fastest")
