@@ -46,7 +46,8 @@ def parse_dtype(dtype: str | torch.dtype, choices: dict[str, torch.dtype] = DTYP
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Any | None, *, device: str | torch.device = "cpu",
                  kv_dtype: str | torch.dtype | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 attention: str = "torch", seed: int = 0, debug: bool = False, prefill_chunk_tokens: int = 512):
+                 attention: str = "auto", seed: int = 0, debug: bool = False, prefill_chunk_tokens: int = 512,
+                 cuda_graphs: bool | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, model.config
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
@@ -65,6 +66,7 @@ class Engine:
                            head_dim=self.config.head_dim, num_blocks=num_blocks, block_size=block_size,
                            dtype=self.kv_dtype, device=self.device, canaries=debug)
         self._kv_layers = self.pool.layers()
+        self._graphs = self._decode_graphs(cuda_graphs)
         self.branch_tree = BranchTree(self.pool.allocator, block_size)
         self.seed = seed
         eos = set(self.config.eos_token_ids)
@@ -75,13 +77,32 @@ class Engine:
         self._guidance = None   # llguidance state, built by the first constraint
 
     # ---- construction -------------------------------------------------------------------------
+    def _decode_graphs(self, wanted: bool | None):
+        """Decode steps replay CUDA graphs on CUDA with a backend whose plans can be padded (triton)."""
+        reason = None
+        if self.device.type != "cuda":
+            reason = "they need a CUDA device"
+        elif not hasattr(self.backend, "host_plan"):
+            reason = f"the {self.backend.name!r} backend's plans cannot be captured; use attention='triton'"
+        if wanted is None:
+            wanted = reason is None
+        if not wanted:
+            return None
+        if reason is not None:
+            raise ValueError(f"cuda_graphs=True, but {reason}.")
+        from .cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self.model, self.backend, self._kv_layers, self.device, self.pool.block_size,
+                            self.pool.sink_slot)
+
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                         **options: Any) -> Engine:
         """Load an HF folder: config.json, safetensors weights (single or sharded) and the tokenizer.
 
-        Options: kv_dtype, block_size (tokens per KV block), num_blocks (pool size; default fits the
-        device), attention ("torch"), seed (base of per-branch seeds), debug (KV canaries),
+        Options: kv_dtype ("fp8" for an e4m3 cache), block_size (tokens per KV block), num_blocks (pool
+        size; default fits the device), attention ("torch", "triton", "flashinfer" or "auto"), cuda_graphs
+        (default: on for CUDA with triton), seed (base of per-branch seeds), debug (KV canaries),
         prefill_chunk_tokens.
         """
         from transformers import AutoTokenizer
@@ -410,6 +431,7 @@ class Engine:
             self._guidance = None
         self.pool.kv = self.pool.kv.new_empty(0)
         self._kv_layers = []
+        self._graphs = None
         self.branch_tree = _ClosedTree()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -503,10 +525,14 @@ class Engine:
         for record, _ in chunk:
             if record.cow is not None:
                 self.pool.copy_block(*record.cow)
-        plan = self.backend.plan(layout, self.pool.block_size, self.device)
-        input_ids = torch.tensor([t for _, tokens in chunk for t in tokens], dtype=torch.long, device=self.device)
-        positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, self._kv_layers, self.backend, plan)  # [T, hidden]
+        token_ids = [t for _, tokens in chunk for t in tokens]
+        if self._graphs is not None and self._graphs.fits(layout):
+            hidden = self._graphs.run(layout, token_ids, layout.positions)  # [T, hidden]
+        else:
+            plan = self.backend.plan(layout, self.pool.block_size, self.device)
+            input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
+            hidden = self.model(input_ids, positions, self._kv_layers, self.backend, plan)  # [T, hidden]
         last_index = torch.tensor(layout.q_lens, device=self.device).cumsum(0) - 1
         for (record, _), last in zip(chunk, hidden[last_index]):
             record.node.last_hidden = last

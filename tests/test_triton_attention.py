@@ -155,7 +155,49 @@ def test_triton_fork_matches_linear_run(checkpoint):
 def test_auto_picks_a_backend_that_runs_here_and_bad_names_say_what_exists():
     eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=16,
                              attention="auto")
-    assert eng.backend.name in ("triton", "torch")
+    assert eng.backend.name == ("triton" if torch.cuda.is_available() else "torch")
     with pytest.raises(ValueError, match="choose one of"):
         Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=16,
                            attention="fastest")
+
+
+def test_a_plan_padded_for_a_graph_computes_the_same_attention():
+    """CUDA graphs pad every plan section; padding items, slots and tokens must change nothing."""
+    rng = random.Random(3)
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=1024, block_size=4)
+    leaves = random_tree(eng, rng, leaves=6, depth=2)
+    kv = eng.pool.layers()[0]
+    backend = TritonAttention()
+    backend.configure(eng.config.num_heads, eng.config.num_kv_heads)
+    layout = decode_layout(eng.branch_tree, leaves, min_shared_tokens=1)
+    q = torch.randn(8, eng.config.num_heads, eng.config.head_dim)  # 6 rows padded to a bucket of 8
+    exact = backend.attend(backend.plan(layout, 4, eng.device), q[:6], kv)
+    shape = backend.host_plan(layout, 4, eng.device).shape().padded(8)
+    before = eng.pool.kv.clone()
+    padded = backend.plan(layout, 4, eng.device, shape=shape, trash_slot=eng.pool.sink_slot)
+    got = backend.attend(padded, q, kv)
+    backend.append_kv(padded, kv, torch.ones(8, 2, 16), torch.ones(8, 2, 16))
+    assert torch.equal(got[:6], exact)
+    assert torch.equal(got[6:], torch.zeros_like(got[6:]))  # padding rows own no slots
+    written = (eng.pool.kv != before).any(dim=(0, 1, 3, 4, 5)).nonzero().flatten().tolist()
+    tables = {b for leaf in leaves for b in eng.branch_tree.block_table(leaf.node)[-2:]}
+    assert eng.pool.num_blocks in written and set(written) <= tables | {eng.pool.num_blocks}  # the sink
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_equal_eager_steps(checkpoint):
+    engines = [Engine.from_pretrained(checkpoint(), device="cuda", attention="triton", num_blocks=512, block_size=4,
+                                      cuda_graphs=graphs, debug=True) for graphs in (False, True)]
+    results = []
+    for eng in engines:
+        trunk = eng.new_branch("trunk", "A tree of thought, with branches that share a prompt")
+        first = eng.generate([trunk], 5, GREEDY)
+        kids = eng.fork(trunk, 3)
+        middle = eng.generate(kids, 20, GREEDY)
+        more = eng.fork(kids[1], 6)    # the batch grows past a bucket and the tree deepens
+        last = eng.generate(kids + more, 30, SamplingParams(temperature=1.0, seed=5, ignore_eos=True))
+        results.append((first, middle, last, eng.next_logits(kids + more)))
+        eng.audit()
+    assert results[0][:3] == results[1][:3]
+    assert (results[0][3] - results[1][3]).abs().max() < 1e-4
+    assert engines[1]._graphs.captures >= 2 and engines[0]._graphs is None

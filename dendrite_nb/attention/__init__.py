@@ -42,6 +42,8 @@ def make_backend(name: str, device: torch.device | str = "cpu", dtype: torch.dty
     device = torch.device(device)
     if name == "auto":
         for candidate in AUTO_ORDER:
+            if candidate != "torch" and device.type != "cuda":
+                continue  # off CUDA the reference is the fast path (Triton's CPU interpreter is for tests)
             if unavailable_reason(candidate, device, dtype, head_dim, kv_dtype) is None:
                 return _backend_class(candidate)()
         raise RuntimeError("no attention backend can run here")  # torch always can; kept for a clear failure

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import BatchLayout, LayerKV
+from .triton_kernels import ITEM_COLS
 
 BLOCK_N = 64  # KV positions per inner step
 INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small tiles keep tests fast
@@ -36,7 +37,7 @@ class _Launch:
 class TritonPlan:
     num_tokens: int
     num_slots: int
-    slot_mapping: torch.Tensor  # [T] int64 flat cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] int32 flat cache slot of each new token
     launches: list[_Launch]
     entry_rows: torch.Tensor  # [E] int32 query token of each (item, row) entry
     entry_pos: torch.Tensor  # [E] int32 its position, for the causal mask
@@ -45,6 +46,77 @@ class TritonPlan:
     slots: torch.Tensor  # [S] int32
     host: torch.Tensor | None = None  # the pinned staging buffer; kept alive until its copy has run
     scratch: dict = field(default_factory=dict)  # partial outputs, allocated by the first layer, reused
+
+
+@dataclass(frozen=True, slots=True)
+class PlanShape:
+    """Section sizes of a packed plan. Equal shapes can share one captured CUDA graph."""
+
+    items: tuple[tuple[int, int], ...]  # (BLOCK_M, number of items) per tile width
+    entries: int
+    blocks: int
+    slots: int
+    tokens: int
+
+    def sections(self) -> list[tuple[str, int]]:
+        return ([(f"items{block_m}", count * ITEM_COLS) for block_m, count in self.items]
+                + [("rows", self.entries), ("pos", self.entries), ("blocks", self.blocks),
+                   ("indptr", self.tokens + 1), ("slots", self.slots), ("mapping", self.tokens)])
+
+    @property
+    def numel(self) -> int:
+        return sum(length for _, length in self.sections())
+
+    def fits(self, other: PlanShape) -> bool:
+        """Whether a plan of shape `other` can be padded to this one."""
+        mine = dict(self.items)
+        return (all(count <= mine.get(block_m, 0) for block_m, count in other.items if count)
+                and other.entries <= self.entries and other.blocks <= self.blocks
+                and other.slots <= self.slots and other.tokens <= self.tokens)
+
+    def padded(self, min_tokens: int) -> PlanShape:
+        """The next power-of-two shape (so a graph serves many steps of a growing context)."""
+        def up(n: int, floor: int = 16) -> int:
+            return max(floor, 1 << max(0, n - 1).bit_length())
+        return PlanShape(tuple((block_m, up(count, 8)) for block_m, count in self.items), up(self.entries),
+                         up(self.blocks, 64), up(self.slots), max(min_tokens, self.tokens))
+
+
+@dataclass(slots=True)
+class HostPlan:
+    items: dict[int, list[tuple[int, ...]]]  # BLOCK_M -> item rows (ITEM_COLS ints each)
+    num_tokens: int
+    num_slots: int = 0
+    entry_rows: list[int] = field(default_factory=list)
+    entry_pos: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    indptr: list[int] = field(default_factory=lambda: [0])
+    slots: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+
+    def shape(self) -> PlanShape:
+        return PlanShape(tuple((block_m, len(items)) for block_m, items in self.items.items()),
+                         len(self.entry_rows), len(self.block_ids), self.num_slots, self.num_tokens)
+
+    def pack(self, shape: PlanShape, trash_slot: int) -> torch.Tensor:
+        """One int32 tensor holding every section, padded to `shape`."""
+        flat: list[int] = []
+        for block_m, count in shape.items:
+            for item in self.items.get(block_m, []):
+                flat.extend(item)
+            flat.extend([0] * ((count - len(self.items.get(block_m, []))) * ITEM_COLS))
+        pad_tokens = shape.tokens - self.num_tokens
+        for values, size in ((self.entry_rows, shape.entries), (self.entry_pos, shape.entries),
+                             (self.block_ids, shape.blocks)):
+            flat.extend(values)
+            flat.extend([0] * (size - len(values)))
+        flat.extend(self.indptr)
+        flat.extend([self.indptr[-1]] * pad_tokens)
+        flat.extend(self.slots)
+        flat.extend([0] * (shape.slots - len(self.slots)))
+        flat.extend(self.slot_mapping)
+        flat.extend([trash_slot] * pad_tokens)
+        return torch.tensor(flat, dtype=torch.int32)
 
 
 class TritonAttention:
@@ -73,58 +145,61 @@ class TritonAttention:
         return None
 
     # ---- plan ---------------------------------------------------------------------------------------
-    def plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> TritonPlan:
+    def plan(self, layout: BatchLayout, block_size: int, device: torch.device,
+             shape: PlanShape | None = None, trash_slot: int = 0) -> TritonPlan:
+        """Device metadata for one forward. With `shape` (CUDA graphs), every section is padded to it:
+        padding items have no rows, padding tokens own no slots and write their KV to `trash_slot`."""
+        host = self.host_plan(layout, block_size, device)
+        shape = shape or host.shape()
+        packed = host.pack(shape, trash_slot)
+        on_device = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed
+        return self.bind(on_device, shape, host=packed)
+
+    def bind(self, buffer: torch.Tensor, shape: PlanShape, host: torch.Tensor | None = None) -> TritonPlan:
+        """A plan whose tensors are views of `buffer` (int32, laid out as PlanShape.sections says)."""
+        views, offset = {}, 0
+        for name, length in shape.sections():
+            views[name] = buffer[offset: offset + length]
+            offset += length
+        launches = [_Launch(views[f"items{block_m}"].view(count, ITEM_COLS), block_m)
+                    for block_m, count in shape.items if count]
+        return TritonPlan(num_tokens=shape.tokens, num_slots=shape.slots, slot_mapping=views["mapping"],
+                          launches=launches, entry_rows=views["rows"], entry_pos=views["pos"],
+                          block_ids=views["blocks"], slot_indptr=views["indptr"], slots=views["slots"], host=host)
+
+    def host_plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> HostPlan:
+        """Work items and index arrays for `layout`, as Python lists (no device work)."""
         runs = list(self._runs(layout))
         narrow = max(16, 1 << (self.group - 1).bit_length())
-        widths = {narrow: [], max(narrow, self.block_m_wide): []}
+        wide = max(narrow, self.block_m_wide)
+        plan = HostPlan(items={narrow: [], wide: []}, num_tokens=sum(layout.q_lens))
         chunk = self._chunk_tokens(runs, device)
-        entry_rows: list[int] = []
-        entry_pos: list[int] = []
-        block_ids: list[int] = []
-        token_slots: list[list[int]] = [[] for _ in range(sum(layout.q_lens))]
-        num_slots = 0
+        token_slots: list[list[int]] = [[] for _ in range(plan.num_tokens)]
         for tokens, positions, start, end, blocks in runs:
-            block_m = narrow if len(tokens) * self.group <= narrow else max(narrow, self.block_m_wide)
+            block_m = narrow if len(tokens) * self.group <= narrow else wide
             per_tile = block_m // self.group
-            block_off = len(block_ids) - start // block_size
-            block_ids.extend(blocks)
+            block_off = len(plan.block_ids) - start // block_size
+            plan.block_ids.extend(blocks)
             for first in range(0, len(tokens), per_tile):
                 tile = tokens[first: first + per_tile]
                 tile_pos = positions[first: first + per_tile]
                 hi = min(end, max(tile_pos) + 1)  # causal: a prefill tile reads nothing past its last token
-                entry_off = len(entry_rows)
-                entry_rows.extend(tile)
-                entry_pos.extend(tile_pos)
+                entry_off = len(plan.entry_rows)
+                plan.entry_rows.extend(tile)
+                plan.entry_pos.extend(tile_pos)
                 for lo in range(start, hi, chunk):
-                    widths[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots))
+                    plan.items[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off,
+                                                plan.num_slots))
                     for j, token in enumerate(tile):
-                        token_slots[token].append(num_slots + j)
-                    num_slots += len(tile)
-        indptr, slots = [0], []
+                        token_slots[token].append(plan.num_slots + j)
+                    plan.num_slots += len(tile)
         for owned in token_slots:
-            slots.extend(owned)
-            indptr.append(len(slots))
-        slot_mapping = [table[p // block_size] * block_size + p % block_size
-                        for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
-                        for p in range(kv - q, kv)]
-        item_lists = [(block_m, items) for block_m, items in widths.items() if items]
-        flat_items = [value for _, items in item_lists for item in items for value in item]
-        host = torch.tensor(flat_items + entry_rows + entry_pos + block_ids + indptr + slots + slot_mapping,
-                            dtype=torch.int32)
-        on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-        views, offset = [], 0
-        for length in (len(flat_items), len(entry_rows), len(entry_pos), len(block_ids), len(indptr), len(slots),
-                       len(slot_mapping)):
-            views.append(on_device[offset: offset + length])
-            offset += length
-        items_all, rows_t, pos_t, blocks_t, indptr_t, slots_t, mapping_t = views
-        launches, row = [], 0
-        for block_m, items in item_lists:
-            launches.append(_Launch(items_all[row * 6: (row + len(items)) * 6].view(len(items), 6), block_m))
-            row += len(items)
-        return TritonPlan(num_tokens=len(token_slots), num_slots=num_slots, slot_mapping=mapping_t.long(),
-                          launches=launches, entry_rows=rows_t, entry_pos=pos_t, block_ids=blocks_t,
-                          slot_indptr=indptr_t, slots=slots_t, host=host)
+            plan.slots.extend(owned)
+            plan.indptr.append(len(plan.slots))
+        plan.slot_mapping = [table[p // block_size] * block_size + p % block_size
+                             for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
+                             for p in range(kv - q, kv)]
+        return plan
 
     @staticmethod
     def _runs(layout: BatchLayout):
@@ -140,7 +215,7 @@ class TritonAttention:
             yield list(range(first, first + q)), list(range(kv - q, kv)), 0, kv, table
             first += q
 
-    def _chunk_tokens(self, runs, device: torch.device) -> int:
+    def _chunk_tokens(self, runs: list, device: torch.device) -> int:
         """Positions per item: enough items to keep every multiprocessor busy, few enough partials to merge."""
         work = sum(end - start for _, _, start, end, _ in runs)
         if device.type != "cuda":
@@ -159,8 +234,9 @@ class TritonAttention:
 
             append_kv(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)
             return
-        kv.k.view(-1, kv_heads, head_dim)[plan.slot_mapping] = k.to(kv.k.dtype)
-        kv.v.view(-1, kv_heads, head_dim)[plan.slot_mapping] = v.to(kv.v.dtype)
+        slots = plan.slot_mapping.long()  # converted here, inside a captured graph, from the static plan buffer
+        kv.k.view(-1, kv_heads, head_dim)[slots] = k.to(kv.k.dtype)
+        kv.v.view(-1, kv_heads, head_dim)[slots] = v.to(kv.v.dtype)
 
     def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         from .triton_kernels import merge_partials_kernel, segment_attention_kernel

@@ -15,7 +15,8 @@ SCALE_BYTES = 4  # one float32 per token, KV head and K/V, fp8 pools only
 
 
 class KVPool:
-    """kv [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]; blocks are shared by all layers.
+    """kv [num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]; blocks are shared by all layers.
+    The last block is never allocated: it is the sink for writes that must land somewhere harmless.
 
     An fp8 (float8_e4m3fn) pool also holds scales [num_layers, 2, num_blocks, block_size, kv_heads] float32,
     the dequantisation scale of each stored K and V head vector (see kv/fp8.py); other pools have scales None.
@@ -26,10 +27,13 @@ class KVPool:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size, self.canaries = block_size, canaries
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # One block past the allocator's: a sink where padding rows of a captured CUDA graph write their KV.
+        storage = num_blocks + 1
+        self.sink_slot = num_blocks * block_size
+        self.kv = torch.zeros(num_layers, 2, storage, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.scales = None
         if dtype == FP8_DTYPE:
-            self.scales = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, device=device)
+            self.scales = torch.zeros(num_layers, 2, storage, block_size, num_kv_heads, device=device)
         self.bytes_per_block = self.block_bytes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                                 block_size=block_size, dtype=dtype)
         self.allocator = BlockAllocator(
