@@ -249,7 +249,7 @@ class Engine:
         names = list(names)
         if not names:
             raise ValueError("fork needs at least one name.")
-        children = self.branch_tree.fork(parent, names, [derive_seed(parent.seed, name) for name in names])
+        children = self.branch_tree.fork(parent, names)
         if parent.matcher is not None:  # each child continues the grammar from the same position, on its own
             for child in children:
                 child.constraint, child.matcher = parent.constraint, parent.matcher.deep_copy()

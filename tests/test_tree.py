@@ -50,7 +50,7 @@ def test_sole_owner_extends_in_place_and_fork_is_pointer_only():
     tree.append(a, [4, 5, 6])
     assert a.node is node and node.tokens == [1, 2, 3, 4, 5, 6] and len(node.blocks) == 2
     before = state(tree)
-    kids = tree.fork(a, ["x", "y"], [0, 0])
+    kids = tree.fork(a, ["x", "y"])
     nodes, free, _ = state(tree)
     assert free == before[1]
     assert [k.node for k in kids] == [node, node]
@@ -63,7 +63,7 @@ def test_append_after_fork_creates_children_with_copy_on_write_of_partial_tail()
     a = tree.add_branch("a")
     tree.append(a, [1, 2, 3, 4, 5, 6])  # blocks: [full, half]
     parent = a.node
-    x, y = tree.fork(a, ["x", "y"], [0, 0])
+    x, y = tree.fork(a, ["x", "y"])
     rec_x = tree.append(x, [7])
     rec_y = tree.append(y, [8, 9, 10])
     assert rec_x.created and rec_y.created and parent.children == [x.node, y.node]
@@ -82,7 +82,7 @@ def test_aligned_fork_needs_no_copy():
     tree = make_tree()
     a = tree.add_branch("a")
     tree.append(a, [1, 2, 3, 4])
-    (x,) = tree.fork(a, ["x"], [0])
+    (x,) = tree.fork(a, ["x"])
     record = tree.append(x, [5])
     assert record.cow is None and tree.block_table(x.node) == a.node.blocks + x.node.blocks
 
@@ -91,7 +91,7 @@ def test_prune_frees_exactly_what_nothing_reaches():
     tree = make_tree()
     a = tree.add_branch("a")
     tree.append(a, [1, 2, 3, 4, 5])
-    x, y = tree.fork(a, ["x", "y"], [0, 0])
+    x, y = tree.fork(a, ["x", "y"])
     tree.append(x, [6, 7, 8, 9])
     tree.append(y, [10])
     shared = list(a.node.blocks)
@@ -108,7 +108,7 @@ def test_a_leaf_again_after_its_children_go_can_be_extended_in_place():
     tree = make_tree()
     a = tree.add_branch("a")
     tree.append(a, [1, 2, 3])
-    (x,) = tree.fork(a, ["x"], [0])
+    (x,) = tree.fork(a, ["x"])
     tree.append(x, [4])
     tree.prune(x)
     node = a.node
@@ -121,7 +121,7 @@ def test_undo_restores_everything():
     tree = make_tree()
     a = tree.add_branch("a")
     tree.append(a, [1, 2, 3, 4, 5])
-    (x,) = tree.fork(a, ["x"], [0])
+    (x,) = tree.fork(a, ["x"])
     before = state(tree)
     records = [tree.append(x, [6, 7, 8, 9, 10]), tree.append(a, [11])]
     for record in reversed(records):
@@ -148,9 +148,9 @@ def test_names_are_checked():
     tree = make_tree()
     a = tree.add_branch("a")
     with pytest.raises(BranchExists):
-        tree.fork(a, ["a"], [0])
+        tree.fork(a, ["a"])
     with pytest.raises(BranchExists, match="twice"):
-        tree.fork(a, ["b", "b"], [0, 0])
+        tree.fork(a, ["b", "b"])
     with pytest.raises(UnknownBranch, match="no branch named 'zz'"):
         tree.resolve("zz")
     tree.prune(a)

@@ -45,13 +45,25 @@ class Node:
 class Branch:
     """A named, movable pointer to a node. Handles go stale when the branch is pruned."""
 
-    __slots__ = ("name", "node", "seed", "generator", "constraint", "matcher", "_tree")
+    __slots__ = ("name", "node", "_seed", "_seed_base", "generator", "constraint", "matcher", "_tree")
 
-    def __init__(self, name: str, node: Node, tree: BranchTree, seed: int = 0):
-        self.name, self.node, self._tree, self.seed = name, node, tree, seed
+    def __init__(self, name: str, node: Node, tree: BranchTree, seed: int | None = 0, seed_base: int = 0):
+        self.name, self.node, self._tree = name, node, tree
+        # A forked branch's seed is derived from its parent's on first use: hashing 1,000 names would
+        # cost more than the fork itself.
+        self._seed, self._seed_base = seed, seed_base
         self.generator = None  # engine-owned sampling generator, created on first use
         self.constraint = None  # the Constraint this branch decodes under, or None
         self.matcher = None     # its llguidance matcher: the grammar position after the branch's tokens
+
+    @property
+    def seed(self) -> int:
+        """The base of this branch's sampling generator (stable across processes)."""
+        if self._seed is None:
+            from ..sampling import derive_seed
+
+            self._seed = derive_seed(self._seed_base, self.name)
+        return self._seed
 
     @property
     def tokens(self) -> list[int]:
@@ -170,10 +182,15 @@ class BranchTree:
             node.last_hidden = record.old_last_hidden
             self.allocator.decref(dropped)
 
-    def fork(self, branch: Branch, names: list[str], seeds: list[int]) -> list[Branch]:
-        """New names on the branch's node: O(1) in context length."""
+    def fork(self, branch: Branch, names: list[str]) -> list[Branch]:
+        """New names on the branch's node: O(1) in context length. Each child's seed derives from the
+        parent's seed and the child's name."""
         self.check_new_names(names)
-        return [self.add_branch(name, branch.node, seed) for name, seed in zip(names, seeds)]
+        node, base = branch.node, branch.seed
+        children = [Branch(name, node, self, None, base) for name in names]
+        node.branch_names.update(names)
+        self.branches.update(zip(names, children))
+        return children
 
     def prune(self, branch: Branch) -> list[int]:
         """Remove the name; collect nodes nothing reaches. Returns the blocks that were freed."""
