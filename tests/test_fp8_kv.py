@@ -1,11 +1,26 @@
-"""FP8 KV cache: e4m3 values with a float32 scale per token and KV head, against a float32 KV cache."""
+"""FP8 KV cache: e4m3 values with a float32 scale per token and KV head, against a float32 KV cache;
+and the Triton kernel that appends K/V to the paged cache, against the torch backend's writes.
+
+Without CUDA the kernel runs in Triton's interpreter, whose float32 -> e4m3 conversion is wrong whenever
+rounding carries into the exponent (126.4 becomes 64, not 128) and below e4m3's normal range: there the fp8
+kernel test feeds values that need no rounding; the `gpu` tests check arbitrary values, bf16 inputs and a
+CUDA graph capture.
+"""
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-import dendrite_nb.engine as engine_module
-from dendrite_nb import Engine, SamplingParams
-from dendrite_nb.kv.fp8 import FP8_MAX, dequantize, quantize
-from dendrite_nb.testing import TINY_SHAPES
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined, so before it is imported
+
+import dendrite_nb.engine as engine_module  # noqa: E402
+from dendrite_nb import Engine, SamplingParams  # noqa: E402
+from dendrite_nb.attention import BatchLayout, TorchAttention  # noqa: E402
+from dendrite_nb.kv import KVPool  # noqa: E402
+from dendrite_nb.kv.fp8 import FP8_MAX, dequantize, quantize  # noqa: E402
+from dendrite_nb.testing import TINY_SHAPES  # noqa: E402
 
 CONFIG = TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -52,7 +67,8 @@ def test_fp8_pool_holds_scales_per_token_and_head_and_counts_their_bytes():
     pool = eng.pool
     assert pool.kv.dtype == torch.float8_e4m3fn
     assert pool.scales.dtype == torch.float32
-    assert pool.scales.shape == (cfg.num_layers, 2, 64, 4, cfg.num_kv_heads)
+    assert pool.num_blocks == 64 and pool.kv.shape[:3] == (cfg.num_layers, 2, 65)  # + the sink block
+    assert pool.scales.shape == (cfg.num_layers, 2, 65, 4, cfg.num_kv_heads)
     assert pool.bytes_per_block == cfg.num_layers * 2 * 4 * cfg.num_kv_heads * (cfg.head_dim + 4)
     layer = pool.layers()[1]
     layer.v_scale[3, 2, 1] = 5.0  # the per-layer scales are views into the pool
@@ -160,3 +176,127 @@ def test_dendrite_load_passes_kv_dtype_fp8_to_the_engine(checkpoint):
         session.close_views()
         session.engine.close()
         session.engine = None
+
+
+# ---- the Triton append kernel ------------------------------------------------------------------------
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter
+# Three sequences of 3, 1 and 5 new tokens, written into blocks out of order: 9 tokens, 5 blocks of 4.
+LAYOUT = BatchLayout(q_lens=[3, 1, 5], kv_lens=[7, 4, 5], block_tables=[[5, 2], [0], [7, 3]])
+
+
+@pytest.fixture(scope="module")
+def append_kv():
+    pytest.importorskip("triton")
+    from dendrite_nb.kernels.kv_append import append_kv
+
+    return append_kv
+
+
+def two_pools(dtype, device=KERNEL_DEVICE, head_dim=24):
+    """Identical canaried pools: one written by the torch backend, one by the kernel. head_dim 24 is no power of 2."""
+    return [KVPool(num_layers=2, num_kv_heads=2, head_dim=head_dim, num_blocks=8, block_size=4, dtype=dtype,
+                   device=torch.device(device), canaries=True) for _ in range(2)]
+
+
+def strided_kv(tokens, dtype=torch.float32, device=KERNEL_DEVICE, head_dim=24, seed=0):
+    """k, v [T, 2, head_dim], neither contiguous and with different strides: k a column slice of a fused
+    projection (as the model makes it), v head-major."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, 8 * head_dim, generator=generator).to(device, dtype)
+    v = torch.randn(2, tokens, head_dim, generator=generator).to(device, dtype).transpose(0, 1)
+    return qkv[:, 4 * head_dim: 6 * head_dim].view(tokens, 2, head_dim), v
+
+
+def write_both(append_kv, pools, k, v, slot_mapping, layer=1):
+    """The torch backend's append into pools[0], the kernel's into pools[1]; same layer, same slots."""
+    TorchAttention().append_kv(SimpleNamespace(slot_mapping=slot_mapping), pools[0].layers()[layer], k, v)
+    append_kv(k, v, *pools[1].layers()[layer][:2], slot_mapping, *pools[1].layers()[layer][2:])
+
+
+def assert_same_pools(reference, got):
+    assert torch.equal(got.kv.view(torch.uint8), reference.kv.view(torch.uint8))  # bitwise, canaries included
+    assert (got.scales is None and reference.scales is None) or torch.equal(got.scales, reference.scales)
+
+
+def test_kernel_writes_float32_caches_like_the_torch_backend(append_kv):
+    pools = two_pools(torch.float32)
+    plan = TorchAttention().plan(LAYOUT, 4, torch.device(KERNEL_DEVICE))
+    k, v = strided_kv(len(plan.slot_mapping))
+    assert not k.is_contiguous() and not v.is_contiguous() and k.stride() != v.stride()
+    write_both(append_kv, pools, k, v, plan.slot_mapping)
+    assert_same_pools(*pools)
+    assert not pools[1]._untouched([5, 2, 0, 7, 3])  # it wrote something
+
+
+def representable_kv(tokens, device=KERNEL_DEVICE, head_dim=24):
+    """k, v whose quantisation needs no rounding: e4m3 normals with one +-448 per vector, times a power of two
+    (so the scale is that power of two and x / scale is exact). Vector (0, 0) is all zeros (the scale floor)."""
+    generator = torch.Generator().manual_seed(2)
+    magnitude = torch.exp2(torch.empty(2, tokens, 2, head_dim).uniform_(-6, 8.8, generator=generator))
+    sign = torch.randint(0, 2, magnitude.shape, generator=generator) * 2 - 1
+    values = (sign * magnitude).to(torch.float8_e4m3fn).float()
+    top = torch.randint(0, head_dim, (2, tokens, 2, 1), generator=generator)
+    values.scatter_(-1, top, FP8_MAX * sign.float().gather(-1, top))
+    values[:, 0, 0] = 0.0
+    scales = torch.exp2(torch.randint(-12, 6, (2, tokens, 2, 1), generator=generator).float())
+    k, v = (values * scales).to(device)
+    return k, v
+
+
+def test_kernel_quantises_to_fp8_exactly_like_the_torch_backend(append_kv):
+    pools = two_pools(torch.float8_e4m3fn)
+    plan = TorchAttention().plan(LAYOUT, 4, torch.device(KERNEL_DEVICE))
+    k, v = representable_kv(len(plan.slot_mapping))
+    write_both(append_kv, pools, k, v, plan.slot_mapping)
+    assert_same_pools(*pools)
+    written = pools[1].scales[1, :, plan.slot_mapping // 4, plan.slot_mapping % 4]  # [2, T, KVH]
+    assert (written > 0).all() and written.min() == torch.finfo(torch.float32).tiny  # the zero vector's floor
+
+
+def test_kernel_refuses_an_fp8_cache_without_scales(append_kv):
+    pool = two_pools(torch.float8_e4m3fn)[0]
+    k, v = strided_kv(2)
+    layer = pool.layers()[0]
+    with pytest.raises(ValueError, match="k_scale and v_scale are required for a float8_e4m3fn cache"):
+        append_kv(k, v, layer.k, layer.v, torch.tensor([0, 1], device=KERNEL_DEVICE))
+    with pytest.raises(ValueError, match=r"k has \(2, 16\) \(kv_heads, head_dim\) per token but the cache holds"):
+        append_kv(k[..., :16], v[..., :16], *layer[:2], torch.tensor([0, 1], device=KERNEL_DEVICE), *layer[2:])
+    assert pool._untouched(list(range(8)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32])
+def test_kernel_matches_the_torch_backend_bitwise_on_cuda(append_kv, input_dtype, cache_dtype):
+    pools = two_pools(cache_dtype, "cuda", head_dim=128)
+    plan = TorchAttention().plan(LAYOUT, 4, torch.device("cuda"))
+    k, v = strided_kv(len(plan.slot_mapping), input_dtype, "cuda", head_dim=128)
+    k[0] *= 1e-3  # small vectors, and values down in e4m3's subnormal range
+    write_both(append_kv, pools, k, v, plan.slot_mapping)
+    assert_same_pools(*pools)
+
+
+@pytest.mark.gpu
+def test_kernel_replays_in_a_cuda_graph():
+    """Captured once with static buffers; replays write new K/V at new slots, as a decode step's graph does
+    (its padding rows write to the pool's sink block)."""
+    from dendrite_nb.kernels.kv_append import append_kv
+
+    pools = two_pools(torch.float8_e4m3fn, "cuda", head_dim=128)
+    k, v = (torch.zeros(3, 2, 128, device="cuda") for _ in range(2))
+    slots = torch.zeros(3, dtype=torch.long, device="cuda")
+    layer = pools[1].layers()[1]
+    append_kv(k, v, *layer[:2], slots, *layer[2:])  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        append_kv(k, v, *layer[:2], slots, *layer[2:])
+    pools[1].kv.fill_(-416.0)
+    pools[1].scales.fill_(-416.0)
+    for step, new_slots in enumerate(([1, 12, 30], [2, 13, pools[1].sink_slot])):
+        new_k, new_v = strided_kv(3, torch.float32, "cuda", head_dim=128, seed=step)
+        k.copy_(new_k), v.copy_(new_v), slots.copy_(torch.tensor(new_slots))
+        graph.replay()
+        TorchAttention().append_kv(SimpleNamespace(slot_mapping=slots.clone()), pools[0].layers()[1], new_k, new_v)
+    torch.cuda.synchronize()
+    assert_same_pools(*pools)

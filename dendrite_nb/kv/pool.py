@@ -18,7 +18,7 @@ class KVPool:
     """kv [num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]; blocks are shared by all layers.
     The last block is never allocated: it is the sink for writes that must land somewhere harmless.
 
-    An fp8 (float8_e4m3fn) pool also holds scales [num_layers, 2, num_blocks, block_size, kv_heads] float32,
+    An fp8 (float8_e4m3fn) pool also holds scales [num_layers, 2, num_blocks + 1, block_size, kv_heads] float32,
     the dequantisation scale of each stored K and V head vector (see kv/fp8.py); other pools have scales None.
     """
 
@@ -55,8 +55,8 @@ class KVPool:
         return self.allocator.num_blocks
 
     def layers(self) -> list[LayerKV]:
-        """Per layer LayerKV(k, v, k_scale, v_scale): caches [num_blocks, block_size, kv_heads, head_dim],
-        scales [num_blocks, block_size, kv_heads] (None unless fp8). Views: writes land in the pool."""
+        """Per layer LayerKV(k, v, k_scale, v_scale): caches [num_blocks + 1, block_size, kv_heads, head_dim],
+        scales [num_blocks + 1, block_size, kv_heads] (None unless fp8). Views: writes land in the pool."""
         if self.scales is None:
             return [LayerKV(layer[0], layer[1]) for layer in self.kv]
         return [LayerKV(layer[0], layer[1], scales[0], scales[1]) for layer, scales in zip(self.kv, self.scales)]
