@@ -1,0 +1,30 @@
+"""Fused Triton kernels for the decoder's memory-bound steps: RMSNorm (+ residual add), RoPE on q and k, SwiGLU.
+
+Each reproduces the rounding of the torch reference in dendrite_nb.model (float32 math, cast to the activation
+dtype wherever the reference casts), so bf16 results match it. Importing this package imports triton. The
+kernels take CUDA tensors; CPU tensors only run when TRITON_INTERPRET=1 was set before this import (the Triton
+interpreter: slow, and wrong in bfloat16, so for float32 tests only).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .norm import add_rms_norm, rms_norm
+from .rope import rope_qk
+from .swiglu import silu_mul
+
+# How the kernels above were defined: the interpreter decides at definition time, not at launch.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the fused kernels cannot run on tensors of `device`, or None when they can."""
+    if device.type == "cuda" or (device.type == "cpu" and INTERPRETED):
+        return None
+    return (f"they are Triton GPU kernels and the model is on {device.type}; run it on CUDA (on the CPU they "
+            f"only run under the Triton interpreter, TRITON_INTERPRET=1 set before dendrite_nb.kernels is "
+            f"imported, which is for tests)")
+
+
+__all__ = ["INTERPRETED", "add_rms_norm", "rms_norm", "rope_qk", "silu_mul", "unavailable_reason"]

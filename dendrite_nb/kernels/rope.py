@@ -1,0 +1,114 @@
+"""RoPE on q and k in one launch (HF rotate_half layout), with Qwen3's per-head RMSNorm fused in front of it.
+
+The angles come from a cos/sin table [T, head_dim] made by model.rope.rope_cos_sin once per forward and shared
+by every layer: that keeps the table bit-identical to the reference's, whose float32 cos of large angles
+(position * inv_freq reaches 1e5 radians) a fast in-kernel cos would not reproduce.
+Rounding follows apply_rope: each product and the sum are rounded to the activation dtype, as torch rounds them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_heads(x_ptr, out_ptr, token, x_stride_t, x_stride_h, out_stride_t, out_stride_h, num_heads,
+                cos1, cos2, sin1, sin2, weight_ptr, eps,
+                HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate one token's heads of x [T, heads, 2 * HALF] into out; cos/sin halves are [1, BLOCK_D] float32."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (cols < HALF)
+    dtype = out_ptr.dtype.element_ty
+    src = x_ptr + token * x_stride_t + heads * x_stride_h + cols
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]: first half of each head
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # RMSNorm over the whole head (both halves), as transformer.RMSNorm rounds it
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(weight_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1)
+    first = (x1 * cos1).to(dtype).to(tl.float32) - (x2 * sin1).to(dtype).to(tl.float32)
+    second = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    dst = out_ptr + token * out_stride_t + heads * out_stride_h + cols
+    tl.store(dst, first.to(dtype), mask=mask)
+    tl.store(dst + HALF, second.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
+                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, q_out_stride_t, q_out_stride_h,
+                    k_out_stride_t, k_out_stride_h, table_stride, num_q_heads, num_k_heads, eps,
+                    HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    in_half = cols < HALF
+    row = token * table_stride
+    # The table is read once per token for q and k both.
+    cos1 = tl.load(cos_ptr + row + cols, mask=in_half, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row + cols, mask=in_half, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)
+    _rope_heads(q_ptr, q_out_ptr, token, q_stride_t, q_stride_h, q_out_stride_t, q_out_stride_h, num_q_heads,
+                cos1, cos2, sin1, sin2, q_weight_ptr, eps, HALF, HAS_NORM, BLOCK_H, BLOCK_D)
+    _rope_heads(k_ptr, k_out_ptr, token, k_stride_t, k_stride_h, k_out_stride_t, k_out_stride_h, num_k_heads,
+                cos1, cos2, sin1, sin2, k_weight_ptr, eps, HALF, HAS_NORM, BLOCK_H, BLOCK_D)
+
+
+def _check_heads(name: str, tensor: torch.Tensor, tokens: int, head_dim: int, dtype: torch.dtype) -> None:
+    if tensor.dim() != 3 or tensor.shape[0] != tokens or tensor.shape[2] != head_dim or tensor.dtype != dtype:
+        raise ValueError(f"{name} is {tuple(tensor.shape)} {tensor.dtype}; expected [{tokens}, heads, {head_dim}] "
+                         f"{dtype}, matching q.")
+    if tensor.stride(2) != 1:
+        raise ValueError(f"{name} needs each head vector contiguous (stride 1 along head_dim), got strides "
+                         f"{tensor.stride()}.")
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None,
+            norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+            eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by cos/sin [T, head_dim] -> (q, k) rotated.
+
+    out: (q_out, k_out) to write into; pass (q, k) to rotate in place (they may be views into one qkv
+    tensor). None allocates new tensors. norm_weights: Qwen3's (q_norm, k_norm) weights [head_dim], applied
+    per head (RMSNorm with `eps`) before the rotation, as the reference does.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, heads, head_dim], got shape {tuple(q.shape)}.")
+    tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"RoPE rotates pairs of halves; head_dim must be even, got {head_dim}.")
+    _check_heads("q", q, tokens, head_dim, q.dtype)
+    _check_heads("k", k, tokens, head_dim, q.dtype)
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (tokens, head_dim) or table.dtype != q.dtype or table.stride() != cos.stride():
+            raise ValueError(f"{name} is {tuple(table.shape)} {table.dtype} with strides {table.stride()}; expected "
+                             f"[{tokens}, {head_dim}] {q.dtype} (from rope_cos_sin), laid out like cos.")
+    if cos.stride(1) != 1:
+        raise ValueError(f"cos and sin need contiguous rows, got strides {cos.stride()}.")
+    q_out, k_out = (torch.empty_like(q), torch.empty_like(k)) if out is None else out
+    _check_heads("out[0]", q_out, tokens, head_dim, q.dtype)
+    _check_heads("out[1]", k_out, tokens, head_dim, q.dtype)
+    if q_out.shape != q.shape or k_out.shape != k.shape:
+        raise ValueError(f"out shapes {tuple(q_out.shape)}, {tuple(k_out.shape)} differ from q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}.")
+    if norm_weights is not None:
+        for weight in norm_weights:
+            if weight.shape != (head_dim,) or weight.dtype != q.dtype:
+                raise ValueError(f"norm weight is {tuple(weight.shape)} {weight.dtype}; expected ({head_dim},) "
+                                 f"{q.dtype}.")
+    q_weight, k_weight = norm_weights if norm_weights is not None else (q, k)  # unread without HAS_NORM
+    half = head_dim // 2
+    block_h = triton.next_power_of_2(max(q.shape[1], k.shape[1]))
+    block_d = triton.next_power_of_2(half)
+    _rope_qk_kernel[(tokens,)](
+        q, k, q_out, k_out, cos, sin, q_weight, k_weight,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
+        k_out.stride(0), k_out.stride(1), cos.stride(0), q.shape[1], k.shape[1], eps,
+        HALF=half, HAS_NORM=norm_weights is not None, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d <= 1024 else 8)
+    return q_out, k_out
