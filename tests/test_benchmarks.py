@@ -1,0 +1,121 @@
+"""The GPU fast-path benchmarks, run with --smoke (tiny shapes, CPU, torch attention), so that they keep
+working between GPU runs: each prints its closing table and wall time, writes the same as JSON, and its
+figures are consistent (every time next to a positive floor, ratios computed from them)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from dendrite_nb.kv.cascade import MIN_SHARED_TOKENS
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch, capsys):
+    """run(script, *args) -> (JSON payload, printed output) of the script's main with --smoke on the CPU."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))   # the scripts import bench_common from beside them
+
+    def run_script(script: str, *extra: str):
+        spec = importlib.util.spec_from_file_location(f"benchmark_{script}", BENCHMARKS / f"{script}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)   # dataclasses look their module up while defining
+        spec.loader.exec_module(module)
+        out = tmp_path / f"{script}.json"
+        returned = module.main(["--smoke", "--device", "cpu", "--json", str(out), *extra])
+        printed = capsys.readouterr().out
+        payload = json.loads(out.read_text())
+        assert payload == json.loads(json.dumps(returned, default=str))
+        last_lines = printed.rstrip().splitlines()
+        assert last_lines[-1].startswith(f"{script} wall time: ")
+        for table in payload["tables"]:
+            assert table["title"] in printed   # the closing table is printed, not only written
+        assert payload["floors"]["copy_bytes_per_s"] > 0 and payload["floors"]["matmul_flop_per_s"] > 0
+        return payload, printed
+
+    return run_script
+
+
+def rows(payload, table: int = 0) -> list[dict]:
+    return payload["tables"][table]["rows"]
+
+
+def measured(row: dict) -> bool:
+    return "unavailable" not in row
+
+
+def test_decode_step(run):
+    payload, printed = run("decode_step")
+    table = rows(payload)
+    for case in ("(a)", "(b)"):
+        case_rows = [r for r in table if r["case"].startswith(case)]
+        torch_row = next(r for r in case_rows if r["attention"] == "torch")
+        hf_row = next(r for r in case_rows if r["attention"] == "transformers")
+        for row in (torch_row, hf_row):
+            assert row["step_ms"] > 0 and row["floor_ms"] > 0
+            assert math.isclose(row["x_floor"], row["step_ms"] / row["floor_ms"], rel_tol=1e-9)
+        assert math.isclose(torch_row["vs_hf"], hf_row["step_ms"] / torch_row["step_ms"], rel_tol=1e-9)
+        # The fast backends are not run on the CPU; their rows say why instead of failing the run.
+        skipped = [r for r in case_rows if r["attention"] in ("triton", "flashinfer")]
+        assert len(skipped) == 4 and all(r["unavailable"] for r in skipped)
+    assert "unavailable: " in printed
+    assert [line for line in payload["notes"] if line.startswith("(a) best: torch")]
+
+
+def test_tree_attention(run):
+    payload, _ = run("tree_attention")
+    table = rows(payload)
+    reference = {r["scenario"]: r for r in table if r["method"] == "torch reference"}
+    assert set(reference) == {"(i)", "(ii)", "(iii)"}
+    # Distinct tokens a tree-aware read loads (smoke shapes): prefix + every node's own tokens, once.
+    assert reference["(i)"]["unique_tokens"] == 128 + 8 * 1
+    assert reference["(ii)"]["unique_tokens"] == 128 + 2 * 64 + 6 * 8
+    assert reference["(iii)"]["unique_tokens"] == 64 + 8 * 1
+    assert reference["(ii)"]["context_tokens"] == 6 * (128 + 64 + 8)
+    # The tree layout reads the prefix once for all rows, and in (ii) each child's 64 tokens once for its 3
+    # grandchildren when nodes that short are shared at all.
+    assert reference["(i)"]["shared_segments"] == 1
+    assert reference["(ii)"]["shared_segments"] == 1 + (2 if 64 >= MIN_SHARED_TOKENS else 0)
+    for row in reference.values():
+        assert row["us"] > 0 and row["floor_us"] > 0 and row["rel_err"] == 0.0
+    assert any("PASS" in line for line in payload["notes"])
+
+
+def test_fork_decode(run):
+    payload, _ = run("fork_decode")
+    table = {r["what"].strip(): r for r in rows(payload)}
+    assert table["fork x20 (one call)"]["ms"] > 0
+    first = table["first step, 20 leaves"]
+    assert first["ms"] > 0 and first["floor_ms"] > 0
+    blocks = table["blocks in use"]
+    # 64-token prefix = 4 blocks, and each of the 20 leaves' 16 tokens fills exactly one block of its own.
+    assert blocks["blocks_in_use"] == blocks["expected_blocks"] == 4 + 20
+    assert "PASS" in next(line for line in payload["notes"] if line.startswith("blocks after"))
+
+
+def test_tree_of_thought(run):
+    payload, printed = run("tree_of_thought", "--shapes", "qwen3-0.6b")
+    systems = {r["system"]: r for r in rows(payload)}
+    assert len(systems) == 3
+    engine = next(r for name, r in systems.items() if name.startswith("engine"))
+    for row in systems.values():
+        assert row["s"] > 0 and row["floor_s"] > 0
+        if row is not engine:
+            assert math.isclose(row["speedup"], row["s"] / engine["s"], rel_tol=1e-9)
+    assert "same argmax: True" in printed   # the transformers peer holds the engine's weights
+
+
+def test_fanout(run):
+    payload, _ = run("fanout")
+    table = rows(payload)
+    assert [r["n"] for r in table] == [2, 5]
+    for row in table:
+        assert row["fork_ms"] > 0 and row["reprefill_ms"] > 0 and row["hf_ms"] > 0
+        assert row["fork_floor_ms"] < row["reprefill_floor_ms"]   # forking skips the document's prefill
+        assert math.isclose(row["ratio"], row["reprefill_ms"] / row["fork_ms"], rel_tol=1e-9)
+    assert "SwarmKV" in payload["notes"][0]
