@@ -139,7 +139,7 @@ def test_triton_engine_matches_torch_engine_token_for_token(shape, checkpoint):
 
 
 def test_triton_fork_matches_linear_run(checkpoint):
-    eng = Engine.from_pretrained(checkpoint(), attention="triton", num_blocks=256, block_size=4)
+    eng = Engine.from_pretrained(checkpoint(), device=DEVICES[0], attention="triton", num_blocks=256, block_size=4)
     sampled = SamplingParams(temperature=1.0, top_p=0.95, ignore_eos=True)
     trunk = eng.new_branch("trunk", "A tree of thought, with branches")
     eng.generate([trunk], 3, GREEDY)
@@ -153,8 +153,8 @@ def test_triton_fork_matches_linear_run(checkpoint):
 
 
 def test_auto_picks_a_backend_that_runs_here_and_bad_names_say_what_exists():
-    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=16,
-                             attention="auto")
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), device=DEVICES[0],
+                             num_blocks=16, attention="auto")
     assert eng.backend.name == ("triton" if torch.cuda.is_available() else "torch")
     with pytest.raises(ValueError, match="choose one of"):
         Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=16,
@@ -164,19 +164,20 @@ def test_auto_picks_a_backend_that_runs_here_and_bad_names_say_what_exists():
 def test_a_plan_padded_for_a_graph_computes_the_same_attention():
     """CUDA graphs pad every plan section; padding items, slots and tokens must change nothing."""
     rng = random.Random(3)
-    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=1024, block_size=4)
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), device=DEVICES[0],
+                             num_blocks=1024, block_size=4)
     leaves = random_tree(eng, rng, leaves=6, depth=2)
     kv = eng.pool.layers()[0]
     backend = TritonAttention()
     backend.configure(eng.config.num_heads, eng.config.num_kv_heads)
     layout = decode_layout(eng.branch_tree, leaves, min_shared_tokens=1)
-    q = torch.randn(8, eng.config.num_heads, eng.config.head_dim)  # 6 rows padded to a bucket of 8
+    q = torch.randn(8, eng.config.num_heads, eng.config.head_dim, device=DEVICES[0])  # 6 rows padded to 8
     exact = backend.attend(backend.plan(layout, 4, eng.device), q[:6], kv)
     shape = backend.host_plan(layout, 4, eng.device).shape().padded(8)
     before = eng.pool.kv.clone()
     padded = backend.plan(layout, 4, eng.device, shape=shape, trash_slot=eng.pool.sink_slot)
     got = backend.attend(padded, q, kv)
-    backend.append_kv(padded, kv, torch.ones(8, 2, 16), torch.ones(8, 2, 16))
+    backend.append_kv(padded, kv, torch.ones(8, 2, 16, device=DEVICES[0]), torch.ones(8, 2, 16, device=DEVICES[0]))
     assert torch.equal(got[:6], exact)
     assert torch.equal(got[6:], torch.zeros_like(got[6:]))  # padding rows own no slots
     written = (eng.pool.kv != before).any(dim=(0, 1, 3, 4, 5)).nonzero().flatten().tolist()

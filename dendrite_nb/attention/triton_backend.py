@@ -125,8 +125,10 @@ class TritonAttention:
     name = "triton"
     reads_segments = True
 
-    def __init__(self, block_m_wide: int = WIDE_BLOCK_M, min_chunk_tokens: int = MIN_CHUNK_TOKENS):
+    def __init__(self, block_m_wide: int = WIDE_BLOCK_M, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+                 wide_warps: int = 4, wide_stages: int = 2):
         self.block_m_wide, self.min_chunk_tokens = block_m_wide, min_chunk_tokens
+        self.wide_launch = (wide_warps, wide_stages)  # num_warps, num_stages of the wide tiles
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
 
@@ -230,15 +232,9 @@ class TritonAttention:
 
     # ---- run ----------------------------------------------------------------------------------------
     def append_kv(self, plan: TritonPlan, kv: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
-        kv_heads, head_dim = k.shape[1:]
-        if kv.k_scale is not None:
-            from ..kernels.kv_append import append_kv
+        from ..kernels.kv_append import append_kv
 
-            append_kv(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)
-            return
-        slots = plan.slot_mapping.long()  # converted here, inside a captured graph, from the static plan buffer
-        kv.k.view(-1, kv_heads, head_dim)[slots] = k.to(kv.k.dtype)
-        kv.v.view(-1, kv_heads, head_dim)[slots] = v.to(kv.v.dtype)
+        append_kv(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)  # one launch; fp8 quantised
 
     def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         from .triton_kernels import merge_partials_kernel, segment_attention_kernel
@@ -261,13 +257,14 @@ class TritonAttention:
         stride_sb, stride_st = (ks.stride(0), ks.stride(1)) if fp8 else (0, 0)
         block_n = INTERPRET_BLOCK_N if interpreting() else BLOCK_N
         for launch in plan.launches:
+            warps, stages = self.wide_launch if launch.block_m > 16 else (4, 2)
             segment_attention_kernel[(launch.items.shape[0], kv_heads)](
                 q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos, plan.block_ids,
                 q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
                 partial.stride(0), partial.stride(1), head_dim ** -0.5 * 1.4426950408889634,
                 NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
                 BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
-                num_warps=4, num_stages=2,
+                num_warps=warps, num_stages=stages,
             )
         out = torch.empty_like(q)
         merge_partials_kernel[(tokens,)](
