@@ -18,7 +18,7 @@ from .errors import CheckpointError, ConstraintError, ContextOverflow, EmptyBran
 from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
 from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
-from .kv.cascade import build_segments
+from .kv.cascade import SegmentCache
 from .model.config import ModelConfig
 from .model.loader import load_model, random_model, read_config
 from .model.transformer import CausalLM
@@ -67,6 +67,7 @@ class Engine:
                            dtype=self.kv_dtype, device=self.device, canaries=debug)
         self._kv_layers = self.pool.layers()
         self._graphs = self._decode_graphs(cuda_graphs)
+        self._segments = SegmentCache()
         self.branch_tree = BranchTree(self.pool.allocator, block_size)
         self.seed = seed
         eos = set(self.config.eos_token_ids)
@@ -519,7 +520,7 @@ class Engine:
         tables = [self.branch_tree.block_table(record.node) for record, _ in chunk]
         segments = None
         if self.backend.reads_segments and all(q == 1 for q in q_lens):  # a decode step: read shared nodes once
-            segments = build_segments(self.branch_tree, [record.node for record, _ in chunk], tables)
+            segments = self._segments.segments(self.branch_tree, [record.node for record, _ in chunk], tables)
         layout = BatchLayout(q_lens=q_lens, kv_lens=[record.node.end for record, _ in chunk], block_tables=tables,
                              segments=segments)
         for record, _ in chunk:

@@ -202,3 +202,22 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoint):
     assert results[0][:3] == results[1][:3]
     assert (results[0][3] - results[1][3]).abs().max() < 1e-4
     assert engines[1]._graphs.captures >= 2 and engines[0]._graphs is None
+
+
+def test_segment_cache_equals_a_fresh_cut_as_leaves_grow_and_change():
+    from dendrite_nb.kv.cascade import SegmentCache
+
+    rng = random.Random(11)
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=2048, block_size=4)
+    leaves = random_tree(eng, rng, leaves=8, depth=3)
+    cache = SegmentCache(min_shared_tokens=8)
+    for step in range(12):
+        if step == 6:  # the rows change: a new cut
+            leaves = leaves[:3] + eng.fork(leaves[3], 2)
+            for leaf in leaves[3:]:
+                eng.append(leaf, [1, 2, 3])
+        nodes = [leaf.node for leaf in leaves]
+        tables = [eng.branch_tree.block_table(node) for node in nodes]
+        fresh = build_segments(eng.branch_tree, nodes, tables, min_shared_tokens=8)
+        assert sorted(map(repr, cache.segments(eng.branch_tree, nodes, tables))) == sorted(map(repr, fresh))
+        eng.append_many([(leaf, [rng.randrange(200)]) for leaf in leaves])

@@ -68,6 +68,31 @@ def build_segments(tree: BranchTree, leaves: Sequence[Node], tables: Sequence[Se
     return segments
 
 
+class SegmentCache:
+    """build_segments for the steps of one generation: while the rows are the same leaves, every segment
+    but each row's last (its private run up to the growing leaf end) is unchanged, because a node with
+    children never changes. Rebuilding only those last runs makes a step O(rows), not O(tree)."""
+
+    def __init__(self, min_shared_tokens: int = MIN_SHARED_TOKENS):
+        self.min_shared_tokens = min_shared_tokens
+        self._key: tuple[int, ...] | None = None
+        self._fixed: list[KVSegment] = []
+        self._last_starts: list[int] = []  # per row, where its final private run starts
+
+    def segments(self, tree: BranchTree, leaves: Sequence[Node], tables: Sequence[Sequence[int]]) -> list[KVSegment]:
+        key = tuple(node.id for node in leaves)
+        if key != self._key:
+            built = build_segments(tree, leaves, tables, self.min_shared_tokens)
+            last = {seg.rows[0]: seg for seg in built if len(seg.rows) == 1 and seg.end == leaves[seg.rows[0]].end}
+            self._fixed = [seg for seg in built if not (len(seg.rows) == 1 and last.get(seg.rows[0]) is seg)]
+            self._last_starts = [last[row].start for row in range(len(leaves))]
+            self._key = key
+            return built
+        size = tree.block_size
+        return self._fixed + [_segment((row,), start, leaf.end, table, size)
+                              for row, (start, leaf, table) in enumerate(zip(self._last_starts, leaves, tables))]
+
+
 def _segment(rows: tuple[int, ...], start: int, end: int, table: Sequence[int], size: int) -> KVSegment:
     return KVSegment(rows, start, end, tuple(table[start // size: (end - 1) // size + 1]))
 

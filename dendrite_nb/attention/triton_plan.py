@@ -1,0 +1,137 @@
+"""Host side of the Triton attention plan: work items and index arrays, built with numpy, packed into one
+int32 buffer (one host-to-device copy per forward). No torch device work here.
+
+A work item (ITEM_COLS ints): entry offset, rows, kv_start, kv_end, block offset, first slot. Item i reads
+positions [kv_start, kv_end) for entries entry_rows[offset: offset + rows]; row j writes partial slot
+first + j; the block of position p is block_ids[block offset + p // block_size].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .triton_kernels import ITEM_COLS
+
+
+@dataclass(frozen=True, slots=True)
+class PlanShape:
+    """Section sizes of a packed plan. Equal shapes can share one captured CUDA graph."""
+
+    items: tuple[tuple[int, int], ...]  # (BLOCK_M, number of items) per tile width
+    entries: int
+    blocks: int
+    slots: int
+    tokens: int
+
+    def sections(self) -> list[tuple[str, int]]:
+        return ([(f"items{block_m}", count * ITEM_COLS) for block_m, count in self.items]
+                + [("rows", self.entries), ("pos", self.entries), ("blocks", self.blocks),
+                   ("indptr", self.tokens + 1), ("slots", self.slots), ("mapping", self.tokens)])
+
+    @property
+    def numel(self) -> int:
+        return sum(length for _, length in self.sections())
+
+    def fits(self, other: PlanShape) -> bool:
+        """Whether a plan of shape `other` can be padded to this one."""
+        mine = dict(self.items)
+        return (all(count <= mine.get(block_m, 0) for block_m, count in other.items if count)
+                and other.entries <= self.entries and other.blocks <= self.blocks
+                and other.slots <= self.slots and other.tokens <= self.tokens)
+
+    def padded(self, min_tokens: int) -> PlanShape:
+        """The next power-of-two shape (so a graph serves many steps of a growing context)."""
+        def up(n: int, floor: int = 16) -> int:
+            return max(floor, 1 << max(0, n - 1).bit_length())
+        return PlanShape(tuple((block_m, up(count, 8)) for block_m, count in self.items), up(self.entries),
+                         up(self.blocks, 64), up(self.slots), max(min_tokens, self.tokens))
+
+
+@dataclass(slots=True)
+class HostPlan:
+    items: dict[int, np.ndarray]  # BLOCK_M -> [W, ITEM_COLS] int32
+    entry_rows: np.ndarray  # [E] query token of each entry
+    entry_pos: np.ndarray  # [E] its position (causal mask)
+    block_ids: np.ndarray  # [NB]
+    indptr: np.ndarray  # [T + 1] CSR over tokens into slots
+    slots: np.ndarray  # [S]
+    slot_mapping: np.ndarray  # [T] flat cache slot of each new token
+    num_slots: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.slot_mapping)
+
+    def shape(self) -> PlanShape:
+        return PlanShape(tuple((block_m, len(items)) for block_m, items in self.items.items()),
+                         len(self.entry_rows), len(self.block_ids), self.num_slots, self.num_tokens)
+
+    def pack(self, shape: PlanShape, trash_slot: int) -> torch.Tensor:
+        """One int32 tensor holding every section, padded to `shape`: padding items have no rows, padding
+        tokens own no slots and write their KV to `trash_slot`."""
+        flat = np.zeros(shape.numel, dtype=np.int32)
+        offset = 0
+        for block_m, count in shape.items:
+            items = self.items.get(block_m)
+            if items is not None and len(items):
+                flat[offset: offset + items.size] = items.ravel()
+            offset += count * ITEM_COLS
+        for values, size in ((self.entry_rows, shape.entries), (self.entry_pos, shape.entries),
+                             (self.block_ids, shape.blocks)):
+            flat[offset: offset + len(values)] = values
+            offset += size
+        flat[offset: offset + len(self.indptr)] = self.indptr
+        flat[offset + len(self.indptr): offset + shape.tokens + 1] = self.indptr[-1]
+        offset += shape.tokens + 1
+        flat[offset: offset + len(self.slots)] = self.slots
+        offset += shape.slots
+        flat[offset: offset + self.num_tokens] = self.slot_mapping
+        flat[offset + self.num_tokens: offset + shape.tokens] = trash_slot
+        return torch.from_numpy(flat)
+
+
+def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, ...] | list[int]]],
+                    slot_mapping: list[int], block_size: int, group: int, narrow: int, wide: int,
+                    chunk: int) -> HostPlan:
+    """runs: (query tokens, their positions, kv start, kv end, blocks from start // block_size) per KV run.
+    Runs read by more rows than a narrow tile holds use wide tiles; each tile's run is cut into chunks."""
+    items: dict[int, list[tuple[int, ...]]] = {narrow: [], wide: []}
+    entry_rows: list[int] = []
+    entry_pos: list[int] = []
+    block_ids: list[int] = []
+    num_slots = 0
+    for tokens, positions, start, end, blocks in runs:
+        block_m = narrow if len(tokens) * group <= narrow else wide
+        per_tile = block_m // group
+        block_off = len(block_ids) - start // block_size
+        block_ids.extend(blocks)
+        for first in range(0, len(tokens), per_tile):
+            tile = tokens[first: first + per_tile]
+            tile_pos = positions[first: first + per_tile]
+            hi = min(end, max(tile_pos) + 1)  # causal: a prefill tile reads nothing past its last token
+            entry_off = len(entry_rows)
+            entry_rows.extend(tile)
+            entry_pos.extend(tile_pos)
+            for lo in range(start, hi, chunk):
+                items[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots))
+                num_slots += len(tile)
+    arrays = {block_m: np.array(rows, dtype=np.int32).reshape(-1, ITEM_COLS) for block_m, rows in items.items()}
+    rows_np = np.array(entry_rows, dtype=np.int32)
+    indptr, slots = _slots_by_token(np.concatenate(list(arrays.values())), rows_np, len(slot_mapping))
+    return HostPlan(arrays, rows_np, np.array(entry_pos, dtype=np.int32), np.array(block_ids, dtype=np.int32),
+                    indptr, slots, np.array(slot_mapping, dtype=np.int32), num_slots)
+
+
+def _slots_by_token(items: np.ndarray, entry_rows: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR of each token's partial slots (in item order), from the items' (entry offset, rows, first slot)."""
+    counts = items[:, 1].astype(np.int64)
+    item_of = np.repeat(np.arange(len(items)), counts)  # one entry per (item, row)
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    tokens = entry_rows[items[item_of, 0] + within]
+    slots = items[item_of, 5] + within
+    order = np.argsort(tokens, kind="stable")
+    indptr = np.zeros(num_tokens + 1, dtype=np.int32)
+    np.cumsum(np.bincount(tokens, minlength=num_tokens), out=indptr[1:])
+    return indptr, slots[order].astype(np.int32)
