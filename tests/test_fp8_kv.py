@@ -300,3 +300,20 @@ def test_kernel_replays_in_a_cuda_graph():
         TorchAttention().append_kv(SimpleNamespace(slot_mapping=slots.clone()), pools[0].layers()[1], new_k, new_v)
     torch.cuda.synchronize()
     assert_same_pools(*pools)
+
+
+@pytest.mark.gpu
+def test_fp8_engine_on_cuda_stores_the_same_kv_through_the_triton_backend():
+    """The triton backend appends with the kernel (inside its decode CUDA graphs), the torch one with kv/fp8.py."""
+    engines = [Engine.from_random(CONFIG, device="cuda", kv_dtype="fp8", num_blocks=64, block_size=4, attention=name)
+               for name in ("torch", "triton")]
+    branches = [eng.new_branch("a", PROMPT) for eng in engines]
+    for eng, branch in zip(engines, branches):
+        eng.generate([branch], 16, GREEDY)
+    assert branches[0].tokens == branches[1].tokens
+    reference, triton_engine = (eng.pool for eng in engines)
+    # Layer 0's K/V come from the embeddings alone, so its cache must match to the byte.
+    assert torch.equal(triton_engine.kv[0].view(torch.uint8), reference.kv[0].view(torch.uint8))
+    assert torch.equal(triton_engine.scales[0], reference.scales[0])
+    logits = [eng.next_logits([branch])[0] for eng, branch in zip(engines, branches)]
+    assert relative_error(logits[1], logits[0]) < 1e-3
