@@ -431,6 +431,7 @@ class Engine:
             self._guidance.close()
             self._guidance = None
         self.pool.kv = self.pool.kv.new_empty(0)
+        self.pool.scales = None
         self._kv_layers = []
         self._graphs = None
         self.branch_tree = _ClosedTree()
@@ -534,8 +535,9 @@ class Engine:
             input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
             hidden = self.model(input_ids, positions, self._kv_layers, self.backend, plan)  # [T, hidden]
-        last_index = torch.tensor(layout.q_lens, device=self.device).cumsum(0) - 1
-        for (record, _), last in zip(chunk, hidden[last_index]):
+        if not layout.is_decode:  # keep each sequence's last token (a host-built index: no device sync)
+            hidden = hidden[torch.tensor(layout.q_lens).cumsum(0).sub_(1).to(self.device, non_blocking=True)]
+        for (record, _), last in zip(chunk, hidden):
             record.node.last_hidden = last
 
     # ---- state --------------------------------------------------------------------------------

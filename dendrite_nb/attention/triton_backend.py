@@ -20,8 +20,11 @@ from .triton_plan import HostPlan, PlanShape, build_host_plan
 
 BLOCK_N = 64  # KV positions per inner step
 INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small tiles keep tests fast
-WIDE_BLOCK_M = 64  # query vectors (rows x group heads) per item for segments read by many rows
+# Tile shapes measured on an H200 (benchmarks/REPORT.md): 256 rows x 8,192 shared tokens, 8B heads.
+WIDE_BLOCK_M = 128  # query vectors (rows x group heads) per item for segments read by many rows
+WIDE_LAUNCH = (4, 3)  # num_warps, num_stages of wide tiles
 MIN_CHUNK_TOKENS = 256  # a long run is split into chunks of at least this many positions for parallelism
+PROGRAMS_PER_SM = 2  # chunks are cut until a run's tiles x chunks x KV heads fill the GPU this many times
 
 
 def interpreting() -> bool:
@@ -54,9 +57,9 @@ class TritonAttention:
     reads_segments = True
 
     def __init__(self, block_m_wide: int = WIDE_BLOCK_M, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
-                 wide_warps: int = 4, wide_stages: int = 2):
+                 wide_launch: tuple[int, int] = WIDE_LAUNCH):
         self.block_m_wide, self.min_chunk_tokens = block_m_wide, min_chunk_tokens
-        self.wide_launch = (wide_warps, wide_stages)  # num_warps, num_stages of the wide tiles
+        self.wide_launch = wide_launch
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
 
@@ -107,7 +110,7 @@ class TritonAttention:
                         for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
                         for p in range(kv - q, kv)]
         return build_host_plan(runs, slot_mapping, block_size, self.group, narrow, max(narrow, self.block_m_wide),
-                               self._chunk_tokens(runs, device))
+                               self._chunker(device))
 
     @staticmethod
     def _runs(layout: BatchLayout):
@@ -123,16 +126,21 @@ class TritonAttention:
             yield list(range(first, first + q)), list(range(kv - q, kv)), 0, kv, table
             first += q
 
-    def _chunk_tokens(self, runs: list, device: torch.device) -> int:
-        """Positions per item: enough items to keep every multiprocessor busy, few enough partials to merge."""
-        work = sum(end - start for _, _, start, end, _ in runs)
+    def _chunker(self, device: torch.device):
+        """chunk_for(run length, tiles): positions per item. A run is cut until its tiles x chunks x KV heads
+        give every multiprocessor PROGRAMS_PER_SM programs, but never below MIN_CHUNK_TOKENS: each chunk
+        adds a partial result per row to write and merge."""
         if device.type != "cuda":
-            return max(self.min_chunk_tokens // 8, 1)  # the interpreter: small chunks exercise the merge
+            return lambda length, tiles: max(self.min_chunk_tokens // 8, 1)  # the interpreter: small chunks
         if device not in self._sms:
             self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        target_items = max(1, 2 * self._sms[device] // max(1, self.num_kv_heads))
-        chunk = max(self.min_chunk_tokens, math.ceil(work / target_items))
-        return -(-chunk // BLOCK_N) * BLOCK_N
+        programs = PROGRAMS_PER_SM * self._sms[device]
+
+        def chunk_for(length: int, tiles: int) -> int:
+            pieces = max(1, programs // (tiles * self.num_kv_heads))
+            chunk = max(self.min_chunk_tokens, math.ceil(length / pieces))
+            return -(-chunk // BLOCK_N) * BLOCK_N
+        return chunk_for
 
     # ---- run ----------------------------------------------------------------------------------------
     def append_kv(self, plan: TritonPlan, kv: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:

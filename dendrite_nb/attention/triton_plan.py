@@ -8,6 +8,7 @@ first + j; the block of position p is block_ids[block offset + p // block_size].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -94,9 +95,10 @@ class HostPlan:
 
 def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, ...] | list[int]]],
                     slot_mapping: list[int], block_size: int, group: int, narrow: int, wide: int,
-                    chunk: int) -> HostPlan:
+                    chunk_for: Callable[[int, int], int]) -> HostPlan:
     """runs: (query tokens, their positions, kv start, kv end, blocks from start // block_size) per KV run.
-    Runs read by more rows than a narrow tile holds use wide tiles; each tile's run is cut into chunks."""
+    Runs read by more rows than a narrow tile holds use wide tiles; each tile's run is cut into chunks of
+    chunk_for(run length, tiles) positions."""
     items: dict[int, list[tuple[int, ...]]] = {narrow: [], wide: []}
     entry_rows: list[int] = []
     entry_pos: list[int] = []
@@ -107,6 +109,7 @@ def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, 
         per_tile = block_m // group
         block_off = len(block_ids) - start // block_size
         block_ids.extend(blocks)
+        chunk = chunk_for(end - start, -(-len(tokens) // per_tile))
         for first in range(0, len(tokens), per_tile):
             tile = tokens[first: first + per_tile]
             tile_pos = positions[first: first + per_tile]
