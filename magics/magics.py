@@ -91,13 +91,15 @@ class DendriteMagics(Magics):
         Usage::
 
           %dendrite demo [--device cpu] [--replace]
-          %dendrite load PATH [--device cuda] [--dtype bfloat16] [--kv-dtype DTYPE]
-                              [--block-size 16] [--num-blocks N] [--replace]
+          %dendrite load PATH [--device cuda] [--dtype bfloat16] [--kv-dtype fp8]
+                              [--attention auto] [--block-size 16] [--num-blocks N] [--replace]
           %dendrite status
 
         Options:
           demo          the embedded tiny Llama (random weights, built locally on first use)
           load PATH     an HF folder: config.json, safetensors weights, tokenizer files
+          --attention   auto (default: triton with CUDA graphs on a GPU, the torch reference on the CPU),
+                        triton, flashinfer or torch
           --replace     close the loaded engine (freeing its memory and its branches) and load this one
           status        the engine, its KV pool and its branches
 
@@ -119,6 +121,7 @@ class DendriteMagics(Magics):
         args = parse_argstring(_load_arguments, rest)
         self.session.check_can_load(args.replace)
         options = {k: v for k, v in (("kv_dtype", args.kv_dtype), ("num_blocks", args.num_blocks)) if v is not None}
+        options["attention"] = args.attention
         with user_errors():
             engine = Engine.from_pretrained(args.path, device=args.device, dtype=args.dtype,
                                             block_size=args.block_size, **options)
@@ -395,7 +398,8 @@ class DendriteMagics(Magics):
 @argument("path", help="an HF checkpoint folder")
 @argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 @argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-@argument("--kv-dtype", default=None, help="dtype of the KV cache (default: the weights' dtype)")
+@argument("--kv-dtype", default=None, help="dtype of the KV cache: fp8 (e4m3), bfloat16, ... (default: the weights')")
+@argument("--attention", default="auto", help="auto, triton, flashinfer or torch (default auto)")
 @argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
 @argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: fits the device)")
 @argument("--replace", action="store_true", help="close the loaded engine first")

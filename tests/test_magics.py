@@ -173,6 +173,15 @@ def test_loading_another_model_closes_the_views_of_the_old_one(ip, checkpoint):
     assert magic(ip, "tree")[0] is not tree
 
 
+def test_load_picks_the_attention_backend_and_refuses_an_unknown_one_without_a_change(ip, checkpoint):
+    before = current_engine()
+    with pytest.raises(UsageError, match="attention backend 'fastest' is not available; choose one of"):
+        magic(ip, f"dendrite load {checkpoint()} --attention fastest --replace --num-blocks 16")
+    assert current_engine() is before and not before.closed
+    magic(ip, f"dendrite load {checkpoint()} --attention torch --replace --num-blocks 16")
+    assert current_engine().backend.name == "torch"
+
+
 def test_an_interrupt_keeps_completed_steps_and_the_next_cell_works(ip):
     magic(ip, "fork root a b")
 
