@@ -10,11 +10,11 @@ import torch
 
 from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.attention import BatchLayout, TorchAttention
-from dendrite_nb.attention.triton_backend import TritonAttention
 from dendrite_nb.kv.cascade import build_segments, decode_layout
 from dendrite_nb.testing import TINY_SHAPES
 
 pytest.importorskip("triton")
+from dendrite_nb.attention.triton_backend import TritonAttention  # noqa: E402  (needs triton)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # the interpreter runs only where CUDA is absent
 
