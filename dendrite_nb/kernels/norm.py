@@ -31,17 +31,16 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     tl.store(out_ptr + row * out_stride + cols, (weight * normed).to(dtype), mask=mask)
 
 
-def _check(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
-    if tensor.shape != like.shape or tensor.dtype != like.dtype or tensor.device != like.device:
-        raise ValueError(f"{name} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}; expected "
-                         f"{tuple(like.shape)} {like.dtype} on {like.device}, like x.")
-    if tensor.stride(-1) != 1:
-        raise ValueError(f"{name} needs contiguous rows (stride 1 along the last dim), got strides {tensor.stride()}.")
+def _check_like(name: str, tensor: torch.Tensor, x: torch.Tensor) -> None:
+    if tensor.shape != x.shape or tensor.dtype != x.dtype or tensor.stride(-1) != 1:
+        raise ValueError(f"{name} is {tuple(tensor.shape)} {tensor.dtype} with strides {tensor.stride()}; expected "
+                         f"{tuple(x.shape)} {x.dtype} with contiguous rows, like x.")
 
 
 def _launch(x, residual, weight, eps, out, summed) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, dim], got shape {tuple(x.shape)}; flatten the leading dims first.")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, dim] with contiguous rows, got shape {tuple(x.shape)} and strides "
+                         f"{x.stride()}; flatten the leading dims first.")
     tokens, dim = x.shape
     if weight.shape != (dim,) or weight.dtype != x.dtype:
         raise ValueError(f"weight is {tuple(weight.shape)} {weight.dtype}; expected ({dim},) {x.dtype}, "
@@ -57,9 +56,8 @@ def _launch(x, residual, weight, eps, out, summed) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight * rmsnorm(x) for x [T, dim] -> [T, dim] in x's dtype (written into `out` when given)."""
-    _check("x", x, x)
     out = torch.empty_like(x) if out is None else out
-    _check("out", out, x)
+    _check_like("out", out, x)
     _launch(x, None, weight, eps, out, None)
     return out
 
@@ -70,10 +68,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
     The second result is the new residual stream; `out` = (normed, summed) receives them when given.
     """
-    _check("x", x, x)
-    _check("residual", residual, x)
+    _check_like("residual", residual, x)
     normed, summed = (torch.empty_like(x), torch.empty_like(x)) if out is None else out
-    _check("out[0]", normed, x)
-    _check("out[1]", summed, x)
+    _check_like("out[0]", normed, x)
+    _check_like("out[1]", summed, x)
     _launch(x, residual, weight, eps, normed, summed)
     return normed, summed
