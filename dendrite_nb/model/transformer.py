@@ -2,6 +2,10 @@
 
 Module and parameter names follow HF (`model.layers.0.self_attn.q_proj.weight`, ...) so checkpoint
 tensor names map one to one.
+
+Two paths compute the same thing: `forward` methods are plain torch, the reference and the CPU path;
+`forward_fused` methods (after CausalLM.use_fused_kernels(True)) run one GEMM for q/k/v and one for gate/up,
+and the Triton kernels of dendrite_nb.kernels for the norms, the residual adds, RoPE and SwiGLU.
 """
 from __future__ import annotations
 
@@ -26,6 +30,24 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def _fuse_linears(owner: nn.Module, prefix: str, linears: list[nn.Linear]) -> None:
+    """Stack the linears' weights (and biases) by rows into buffers `{prefix}_weight`, `{prefix}_bias` of `owner`
+    and make each linear's parameters views into them: one GEMM reads them all, and they are stored once."""
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])  # [sum of out_features, in_features]
+        bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
+    # Not persistent: checkpoints and state_dict keep the HF names, which stay the parameters' names.
+    owner.register_buffer(f"{prefix}_weight", weight, persistent=False)
+    owner.register_buffer(f"{prefix}_bias", bias, persistent=False)
+    start = 0
+    for linear in linears:
+        rows = slice(start, start + linear.out_features)
+        linear.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[rows], requires_grad=False)
+        start += linear.out_features
 
 
 class Attention(nn.Module):
@@ -55,6 +77,26 @@ class Attention(nn.Module):
         out = backend.attend(plan, q, kv)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(tokens, heads * head_dim))
 
+    def fuse_projections(self) -> None:
+        """q/k/v in one weight [(heads + 2 * kv_heads) * head_dim, hidden] (the parameters become views)."""
+        if not hasattr(self, "qkv_weight"):
+            _fuse_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
+
+    def forward_fused(self, x, cos, sin, kv, backend, plan) -> torch.Tensor:
+        from ..kernels import rope_qk
+
+        heads, kv_heads, head_dim = self.shape
+        tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(tokens, heads + 2 * kv_heads, head_dim)
+        # Views into qkv, rows strided by the whole qkv width; RoPE rotates q and k where they lie.
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, heads | kv_heads, head_dim]
+        qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
+        eps = self.q_norm.eps if qk_norm is not None else 0.0
+        rope_qk(q, k, cos, sin, out=(q, k), norm_weights=qk_norm, eps=eps)
+        backend.append_kv(plan, kv, k, v)
+        out = backend.attend(plan, q, kv)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(tokens, heads * head_dim))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -66,6 +108,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse_projections(self) -> None:
+        """gate and up in one weight [2 * intermediate, hidden] (the parameters become views)."""
+        if not hasattr(self, "gate_up_weight"):
+            _fuse_linears(self, "gate_up", [self.gate_proj, self.up_proj])
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels import silu_mul
+
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * intermediate]
+        return self.down_proj(silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -79,6 +132,21 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv, backend, plan) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, backend, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, residual, cos, sin, kv, backend, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream arrives as x + residual (residual None at the first layer, where x is the stream)
+        and leaves the same way, as (MLP output, stream before it): each add happens inside the next norm."""
+        from ..kernels import add_rms_norm, rms_norm
+
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn.forward_fused(x, cos, sin, kv, backend, plan)
+        norm = self.post_attention_layernorm
+        x, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -97,6 +165,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.inv_freq: torch.Tensor | None = None  # set by materialize(), after the weights have a device
+        self.fused_kernels = False  # set by use_fused_kernels()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -106,15 +175,43 @@ class CausalLM(nn.Module):
         """Compute the non-learned state on `device` (the RoPE frequencies)."""
         self.inv_freq = rope_inv_freq(self.config, device)
 
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Run forward through the fused Triton kernels (True) or the plain torch reference (False).
+
+        The first enabling concatenates each layer's q/k/v and gate/up weights and makes the original
+        parameters views into them, so weight memory does not grow: call it once the weights are loaded and
+        on their device. Raises ImportError without triton, ValueError on a device the kernels cannot use.
+        """
+        if enabled:
+            from ..kernels import unavailable_reason
+
+            reason = unavailable_reason(self.lm_head.weight.device)
+            if reason is not None:
+                raise ValueError(f"fused kernels cannot run here: {reason}.")
+            for layer in self.model.layers:
+                layer.self_attn.fuse_projections()
+                layer.mlp.fuse_projections()
+        self.fused_kernels = enabled
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers: list[Any],
                 backend: Any, plan: Any) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]; writes each token's KV."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, head_dim], shared by every layer
+        if self.fused_kernels:
+            return self._forward_fused(x, cos, sin, kv_layers, backend, plan)
         for layer, kv in zip(self.model.layers, kv_layers):  # kv: the layer's LayerKV
             x = layer(x, cos, sin, kv, backend, plan)
         return self.model.norm(x)
+
+    def _forward_fused(self, x, cos, sin, kv_layers, backend, plan) -> torch.Tensor:
+        from ..kernels import add_rms_norm
+
+        residual = None
+        for layer, kv in zip(self.model.layers, kv_layers):
+            x, residual = layer.forward_fused(x, residual, cos, sin, kv, backend, plan)
+        return add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
