@@ -43,6 +43,15 @@ def parse_dtype(dtype: str | torch.dtype, choices: dict[str, torch.dtype] = DTYP
     return choices[dtype]
 
 
+def fused_kernels_available(device: torch.device) -> bool:
+    """Whether the Triton decoder kernels can run on `device` (imported only here: triton is optional)."""
+    try:
+        from .kernels import unavailable_reason
+    except ImportError:
+        return False
+    return unavailable_reason(device) is None
+
+
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Any | None, *, device: str | torch.device = "cpu",
                  kv_dtype: str | torch.dtype | None = None, block_size: int = 16, num_blocks: int | None = None,
@@ -66,6 +75,8 @@ class Engine:
                            head_dim=self.config.head_dim, num_blocks=num_blocks, block_size=block_size,
                            dtype=self.kv_dtype, device=self.device, canaries=debug)
         self._kv_layers = self.pool.layers()
+        if self.device.type == "cuda" and fused_kernels_available(self.device):
+            self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
         self._graphs = self._decode_graphs(cuda_graphs)
         self._segments = SegmentCache()
         self.branch_tree = BranchTree(self.pool.allocator, block_size)

@@ -90,7 +90,8 @@ class FlashInferAttention:
 
     def append_kv(self, plan: FlashInferPlan, kv: LayerKV, k, v) -> None:
         self._flashinfer.page.append_paged_kv_cache(
-            k.to(kv.k.dtype), v.to(kv.v.dtype), plan.gpu.batch_indices, plan.gpu.positions, (kv.k, kv.v),
+            # contiguous: on the fused path k and v are strided views into the qkv projection
+            k.to(kv.k.dtype).contiguous(), v.to(kv.v.dtype).contiguous(), plan.gpu.batch_indices, plan.gpu.positions, (kv.k, kv.v),
             plan.gpu.kv_indices, plan.gpu.kv_indptr, plan.gpu.kv_last_page_len, kv_layout="NHD")
 
     def attend(self, plan: FlashInferPlan, q, kv: LayerKV) -> torch.Tensor:
@@ -99,7 +100,7 @@ class FlashInferAttention:
         if self._planned is not plan:
             plan.wrapper = self._plan_wrapper(plan, q, kv)
             self._planned = plan
-        return plan.wrapper.run(q, (kv.k, kv.v))  # [T, heads, head_dim] in q's dtype, scale head_dim ** -0.5
+        return plan.wrapper.run(q.contiguous(), (kv.k, kv.v))  # [T, heads, head_dim] in q's dtype, scale head_dim ** -0.5
 
     def _plan_wrapper(self, plan: FlashInferPlan, q: torch.Tensor, kv: LayerKV) -> Any:
         heads, head_dim = q.shape[1:]
