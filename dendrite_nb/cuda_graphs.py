@@ -30,6 +30,7 @@ class _Captured:
     staging: torch.Tensor  # pinned host twin of buffer
     copied: torch.cuda.Event  # the last copy out of staging; staging is rewritten only after it
     hidden: torch.Tensor  # [bucket, hidden] the graph's output
+    plan: Any = None  # the plan the graph reads; it owns the partial-result scratch the kernels write
 
 
 class DecodeGraphs:
@@ -84,6 +85,8 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         with torch.cuda.graph(captured.graph, pool=self._pool):
             captured.hidden = self.model(ids, pos, self.kv_layers, self.backend, plan)
+        # The graph holds raw pointers into the plan's scratch: the plan must live as long as the graph.
+        captured.plan = plan
         self._graphs[(bucket, shape)] = captured
         self.captures += 1
         while len(self._graphs) > MAX_GRAPHS:

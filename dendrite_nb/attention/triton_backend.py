@@ -87,8 +87,9 @@ class TritonAttention:
         host = self.host_plan(layout, block_size, device)
         shape = shape or host.shape()
         packed = host.pack(shape, trash_slot)
-        on_device = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed
-        return self.bind(on_device, shape, host=packed)
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        return self.bind(packed.to(device, non_blocking=True), shape, host=packed)
 
     def bind(self, buffer: torch.Tensor, shape: PlanShape, host: torch.Tensor | None = None) -> TritonPlan:
         """A plan whose tensors are views of `buffer` (int32, laid out as PlanShape.sections says)."""
