@@ -17,7 +17,7 @@ import torch
 
 from .attention.base import BatchLayout
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_GRAPHS = 32  # least recently used graphs beyond this are dropped (each holds its plan buffers)
 
 
