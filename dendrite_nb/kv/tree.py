@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ..errors import BranchExists, BranchPruned, UnknownBranch
+from ..errors import BranchExists, BranchPruned, OutOfBlocks, UnknownBranch
 from .allocator import BlockAllocator
 
 
@@ -141,22 +141,28 @@ class BranchTree:
 
     def _extends_in_place(self, branch: Branch) -> bool:
         node = branch.node
-        return node is not self.root and not node.children and node.branch_names == {branch.name}
+        return (node is not self.root and not node.children and len(node.branch_names) == 1
+                and branch.name in node.branch_names)
+
+    def _needed(self, node: Node, in_place: bool, num_tokens: int) -> int:
+        size, end = self.block_size, node.start + len(node.tokens)
+        if in_place:
+            return max(0, -(-(end + num_tokens) // size) - node.start // size - len(node.blocks))
+        return -(-(end + num_tokens) // size) - end // size
 
     def blocks_needed(self, branch: Branch, num_tokens: int) -> int:
         """Free blocks an append of `num_tokens` would take (copy-on-write copy included)."""
-        node, size = branch.node, self.block_size
-        if self._extends_in_place(branch):
-            covered = node.start // size + len(node.blocks)
-            return max(0, _ceil_div(node.end + num_tokens, size) - covered)
-        return _ceil_div(node.end + num_tokens, size) - node.end // size
+        return self._needed(branch.node, self._extends_in_place(branch), num_tokens)
 
     def append(self, branch: Branch, tokens: list[int]) -> AppendRecord:
         """Put `tokens` on the branch; allocates blocks. Raises OutOfBlocks before changing anything."""
         node, size = branch.node, self.block_size
-        needed = self.blocks_needed(branch, len(tokens))
-        new_blocks = self.allocator.allocate(needed, what=f"appending {len(tokens):,} tokens to {branch.name!r}")
-        if self._extends_in_place(branch):
+        in_place = self._extends_in_place(branch)
+        needed = self._needed(node, in_place, len(tokens))
+        if needed > self.allocator.num_free:  # the message is built only when it is needed (a hot path)
+            raise OutOfBlocks(needed, self.allocator.num_free, f"appending {len(tokens):,} tokens to {branch.name!r}")
+        new_blocks = self.allocator.allocate(needed) if needed else []
+        if in_place:
             record = AppendRecord(branch, node, node, False, len(node.tokens), len(node.blocks), None, node.last_hidden)
             node.tokens.extend(tokens)
             node.blocks.extend(new_blocks)
