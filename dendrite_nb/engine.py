@@ -269,6 +269,9 @@ class Engine:
         return children
 
     def _child_names(self, parent: str, count: int) -> list[str]:
+        names = [f"{parent}/{index}" for index in range(count)]
+        if self.branch_tree.branches.keys().isdisjoint(names):  # the usual case, in one pass
+            return names
         names, index = [], 0
         while len(names) < count:
             if f"{parent}/{index}" not in self.branch_tree.branches:

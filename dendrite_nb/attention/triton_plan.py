@@ -46,7 +46,9 @@ class PlanShape:
         """The next power-of-two shape (so a graph serves many steps of a growing context)."""
         def up(n: int, floor: int = 16) -> int:
             return max(floor, 1 << max(0, n - 1).bit_length())
-        return PlanShape(tuple((block_m, up(count, 8)) for block_m, count in self.items), up(self.entries),
+        # A tile width with no items stays empty: its launch is skipped instead of running padding.
+        return PlanShape(tuple((block_m, up(count, 8) if count else 0) for block_m, count in self.items),
+                         up(self.entries),
                          up(self.blocks, 64), up(self.slots), max(min_tokens, self.tokens))
 
 

@@ -120,11 +120,11 @@ class BranchTree:
         return found
 
     def check_new_names(self, names: list[str]) -> None:
-        for name in names:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"a branch name must be a non-empty string, got {name!r}")
-        taken = [n for n in names if n in self.branches]
-        if taken:
+        bad = [name for name in names if not isinstance(name, str) or not name]
+        if bad:
+            raise ValueError(f"a branch name must be a non-empty string, got {bad[0]!r}")
+        if not self.branches.keys().isdisjoint(names):
+            taken = [n for n in names if n in self.branches]
             raise BranchExists(f"branch {taken[0]!r} already exists; pick another name or prune it first.")
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
