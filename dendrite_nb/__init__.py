@@ -8,7 +8,8 @@ In a notebook: `%load_ext dendrite_nb`, then `%dendrite demo` (see dendrite_nb.m
 from .constraints import Constraint, parse_constraint
 from .engine import Engine
 from .errors import (BranchExists, BranchPruned, CheckpointError, ConstraintError, ContextOverflow, DendriteError,
-                     EmptyBranch, GenerationInterrupted, OutOfBlocks, UnknownBranch, UnsupportedModel)
+                     EmptyBranch, GenerationInterrupted, OutOfBlocks, SaveFileError, UnknownBranch,
+                     UnsupportedModel)
 from .events import DecodeStep, TreeChanged
 from .kv import Branch
 from .sampling import SamplingParams
@@ -17,7 +18,7 @@ from .step_history import StepHistory
 __version__ = "0.1.0"
 __all__ = ["Branch", "BranchExists", "BranchPruned", "CheckpointError", "Constraint", "ConstraintError",
            "ContextOverflow", "DecodeStep", "DendriteError", "EmptyBranch", "Engine", "GenerationInterrupted",
-           "OutOfBlocks", "SamplingParams", "StepHistory", "TreeChanged", "UnknownBranch", "UnsupportedModel", "parse_constraint"]
+           "OutOfBlocks", "SamplingParams", "SaveFileError", "StepHistory", "TreeChanged", "UnknownBranch", "UnsupportedModel", "parse_constraint"]
 
 
 def load_ipython_extension(ipython) -> None:

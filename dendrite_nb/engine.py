@@ -58,6 +58,11 @@ class Engine:
                  attention: str = "auto", seed: int = 0, debug: bool = False, prefill_chunk_tokens: int = 512,
                  cuda_graphs: bool | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, model.config
+        # Where the weights came from and how this engine was built: what save() records so restore() can
+        # rebuild it. from_pretrained / from_random fill `source`; an engine built around a model object has none.
+        self.source: dict[str, Any] | None = None
+        self.options = {"attention": attention, "seed": seed, "prefill_chunk_tokens": prefill_chunk_tokens,
+                        "debug": debug}
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = parse_dtype(kv_dtype, KV_DTYPES, "kv_dtype") if kv_dtype is not None else self.dtype
@@ -127,7 +132,9 @@ class Engine:
             raise CheckpointError(f"cannot load a tokenizer from {str(folder)!r} ({error}); "
                                   f"the folder needs tokenizer.json and tokenizer_config.json.") from error
         model = load_model(folder, config, torch.device(device), parse_dtype(dtype))
-        return cls(model, tokenizer, device=device, **options)
+        engine = cls(model, tokenizer, device=device, **options)
+        engine.source = {"checkpoint": str(folder.resolve())}
+        return engine
 
     @classmethod
     def from_random(cls, hf_config: dict[str, Any], device: str = "cpu", dtype: str | torch.dtype = "float32",
@@ -135,7 +142,9 @@ class Engine:
         """Random weights for an HF config dict, built in memory; token ids only (no tokenizer)."""
         config = ModelConfig.from_hf(hf_config)
         model = random_model(config, torch.device(device), parse_dtype(dtype), weight_seed)
-        return cls(model, None, device=device, **options)
+        engine = cls(model, None, device=device, **options)
+        engine.source = {"hf_config": dict(hf_config), "weight_seed": weight_seed}
+        return engine
 
     def _default_num_blocks(self, block_size: int) -> int:
         bytes_per_block = KVPool.block_bytes(num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
@@ -246,6 +255,7 @@ class Engine:
         first = self._guidance.matcher(constraint)   # raises before any branch changes
         for index, branch in enumerate(branches):
             branch.constraint, branch.matcher = constraint, first if index == 0 else first.deep_copy()
+            branch.constraint_from = len(branch)
 
     def fork(self, branch: BranchRef, n: int | None = None, *, names: Sequence[str] | None = None) -> list[Branch]:
         """New branches at the same node: O(1) in context length; no KV block is touched."""
@@ -265,6 +275,7 @@ class Engine:
         if parent.matcher is not None:  # each child continues the grammar from the same position, on its own
             for child in children:
                 child.constraint, child.matcher = parent.constraint, parent.matcher.deep_copy()
+                child.constraint_from = parent.constraint_from
         self._emit(TreeChanged("fork", (parent.name, *names)))
         return children
 
@@ -436,6 +447,24 @@ class Engine:
         resolved = self.branch_tree.resolve(branch)
         self._check_context(resolved.name, len(resolved), num_tokens)
         self._check_blocks([(resolved, num_tokens)], f"growing branch {resolved.name!r} by {num_tokens:,} tokens")
+
+    # ---- save and restore -----------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the whole session to one file, atomically: every node, branch, token, seed and generator
+        state, constraint, and the KV blocks in use (safetensors + a checksummed JSON manifest)."""
+        from .persist import save
+
+        return save(self, path)
+
+    @classmethod
+    def restore(cls, path: str | Path, **overrides: Any) -> Engine:
+        """A new engine with the session saved at `path`: the same model (rebuilt from its checkpoint
+        folder or random-weight config and checked by fingerprint), tree, branches and KV; decoding goes on
+        exactly as if nothing had stopped. Overrides: device, num_blocks, attention, cuda_graphs, debug,
+        checkpoint (where the weights now live). A corrupted or mismatched file raises SaveFileError."""
+        from .persist import restore
+
+        return restore(path, **overrides)
 
     def close(self) -> None:
         """Free the weights and the KV pool now, even while other references to this engine remain.

@@ -65,3 +65,8 @@ class GenerationInterrupted(KeyboardInterrupt):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class SaveFileError(DendriteError, ValueError):
+    """A save file that cannot be restored here: missing, truncated, corrupted, or saved with another model,
+    dtype or block size. Nothing was changed."""

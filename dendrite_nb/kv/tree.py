@@ -45,7 +45,8 @@ class Node:
 class Branch:
     """A named, movable pointer to a node. Handles go stale when the branch is pruned."""
 
-    __slots__ = ("name", "node", "_seed", "_seed_base", "generator", "constraint", "matcher", "_tree")
+    __slots__ = ("name", "node", "_seed", "_seed_base", "generator", "constraint", "matcher", "constraint_from",
+                 "_tree")
 
     def __init__(self, name: str, node: Node, tree: BranchTree, seed: int | None = 0, seed_base: int = 0):
         self.name, self.node, self._tree = name, node, tree
@@ -55,6 +56,7 @@ class Branch:
         self.generator = None  # engine-owned sampling generator, created on first use
         self.constraint = None  # the Constraint this branch decodes under, or None
         self.matcher = None     # its llguidance matcher: the grammar position after the branch's tokens
+        self.constraint_from = 0  # the branch length when the constraint was attached (what the matcher consumed since)
 
     @property
     def seed(self) -> int:

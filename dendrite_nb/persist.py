@@ -1,0 +1,217 @@
+"""Save a whole session (tree, branches, sampling state, constraints, KV blocks) to one file and restore it.
+
+The file is a safetensors file: the tensors (the KV blocks in use, compacted; their fp8 scales; each node's
+last hidden state; each branch's sampling generator state) plus, in its metadata, a JSON manifest (format
+version, the model's identity, the engine's options, the nodes and the branches) and a SHA-256 of the
+manifest and of every tensor. A write goes to a temporary file that is renamed into place, so a crash
+leaves the old file whole. A restore checks everything before it builds anything: a truncated or altered
+file, another model, dtype or block size is a SaveFileError, and the running session is untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import SaveFileError
+from .kv.tree import Branch, Node
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = "dendrite-nb session"
+VERSION = 1
+# Options a restore may change: they do not alter what the saved state means.
+FREE_OPTIONS = ("device", "num_blocks", "attention", "cuda_graphs", "debug", "checkpoint")
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's name, shape, dtype and a sample of its values (first and last 256)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = torch.cat([flat[:256], flat[-256:]]).to("cpu", torch.float32)
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _tensor_sha(tensor: torch.Tensor) -> str:
+    return _sha(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+# ---- save ----------------------------------------------------------------------------------------------
+def save(engine: Engine, path: str | Path) -> Path:
+    if engine.source is None:
+        raise SaveFileError("this engine was built around a model object, so a restore could not rebuild it; "
+                            "save an engine made by Engine.from_pretrained or Engine.from_random.")
+    tree = engine.branch_tree
+    nodes = [node for node in tree.nodes() if node is not tree.root]
+    index = {id(node): i for i, node in enumerate(nodes)}
+    used = sorted({block for node in nodes for block in node.blocks})
+    compact = {block: i for i, block in enumerate(used)}
+    hidden_nodes = [i for i, node in enumerate(nodes) if node.last_hidden is not None]
+    tensors: dict[str, torch.Tensor] = {}
+    if used:
+        ids = torch.tensor(used, device=engine.pool.kv.device)
+        tensors["kv"] = engine.pool.kv.index_select(2, ids).cpu()  # [layers, 2, used, block, kv_heads, head_dim]
+        if engine.pool.scales is not None:
+            tensors["kv_scales"] = engine.pool.scales.index_select(2, ids).cpu()
+    if hidden_nodes:
+        tensors["hidden"] = torch.stack([nodes[i].last_hidden for i in hidden_nodes]).cpu()
+    branches = []
+    for name, branch in tree.branches.items():
+        if branch.generator is not None:
+            tensors[f"generator/{len(branches)}"] = branch.generator.get_state()
+        constraint = branch.constraint
+        branches.append({
+            "name": name, "node": index.get(id(branch.node), -1), "seed": branch.seed,
+            "generator": branch.generator is not None,
+            "constraint": None if constraint is None else {constraint.kind: _jsonable(constraint.value)},
+            "constraint_from": branch.constraint_from,
+        })
+    manifest = {
+        "format": FORMAT, "version": VERSION,
+        "model": {"config": dataclasses.asdict(engine.config), "fingerprint": model_fingerprint(engine.model)},
+        "source": engine.source,
+        "dtype": str(engine.dtype).removeprefix("torch."), "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
+        "block_size": engine.pool.block_size, "options": engine.options, "next_node_id": tree._next_node_id,
+        "num_blocks": engine.pool.num_blocks,
+        "nodes": [{"id": node.id, "parent": -1 if node.parent is tree.root else index[id(node.parent)],
+                   "start": node.start, "tokens": node.tokens, "blocks": [compact[b] for b in node.blocks]}
+                  for node in nodes],
+        "hidden_nodes": hidden_nodes,
+        "branches": branches,
+        "tensors": {name: _tensor_sha(tensor) for name, tensor in tensors.items()},
+    }
+    text = json.dumps(manifest)
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(handle)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, temporary,
+                  metadata={"dendrite": text, "dendrite_sha256": _sha(text.encode())})
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, target)  # atomic: readers see the old file or the new one, never a mix
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+# ---- restore -------------------------------------------------------------------------------------------
+def read(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The manifest and tensors of a save file, every checksum verified. Raises SaveFileError."""
+    source = Path(path).expanduser()
+    if not source.is_file():
+        raise SaveFileError(f"no save file at {str(source)!r}.")
+    try:
+        with safe_open(str(source), framework="pt") as file:
+            metadata = file.metadata() or {}
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+    except Exception as error:  # safetensors reports a truncated or mangled header in several ways
+        raise SaveFileError(f"{str(source)!r} is not a readable save file (truncated or corrupted: {error}).") from error
+    text = metadata.get("dendrite")
+    if text is None or metadata.get("dendrite_sha256") != _sha(text.encode()):
+        raise SaveFileError(f"{str(source)!r} has no intact dendrite-nb manifest (checksum mismatch): the file "
+                            f"is corrupted or was not written by Engine.save.")
+    manifest = json.loads(text)
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise SaveFileError(f"{str(source)!r} is format {manifest.get('format')!r} version {manifest.get('version')!r}; "
+                            f"this dendrite-nb reads {FORMAT!r} version {VERSION}.")
+    expected = manifest["tensors"]
+    if set(expected) != set(tensors):
+        raise SaveFileError(f"{str(source)!r} lists tensors {sorted(expected)} but holds {sorted(tensors)}.")
+    for name, tensor in tensors.items():
+        if _tensor_sha(tensor) != expected[name]:
+            raise SaveFileError(f"tensor {name!r} in {str(source)!r} fails its checksum: the file is corrupted.")
+    return manifest, tensors
+
+
+def restore(path: str | Path, **overrides: Any) -> Engine:
+    """A new engine holding the saved session. `overrides` may move it (device, num_blocks, attention,
+    cuda_graphs, debug, checkpoint: where the weights now live); dtype, kv_dtype and block_size must match."""
+    from .engine import Engine
+
+    manifest, tensors = read(path)
+    unknown = [key for key in overrides if key not in FREE_OPTIONS + ("dtype", "kv_dtype", "block_size")]
+    if unknown:
+        raise TypeError(f"restore() got unexpected options {unknown}; it takes {list(FREE_OPTIONS)}.")
+    for key in ("dtype", "kv_dtype", "block_size"):
+        if key in overrides and str(overrides[key]).removeprefix("torch.") != str(manifest[key]):
+            raise SaveFileError(f"the session was saved with {key}={manifest[key]}, not {overrides[key]}; its KV "
+                                f"cache is only valid for the same {key}.")
+    used = tensors["kv"].shape[2] if "kv" in tensors else 0
+    options = {**manifest["options"], "block_size": manifest["block_size"], "kv_dtype": manifest["kv_dtype"],
+               "num_blocks": max(manifest["num_blocks"], used)}
+    options.update({k: v for k, v in overrides.items() if k in FREE_OPTIONS and k not in ("device", "checkpoint")})
+    device = overrides.get("device", "cpu")
+    source = manifest["source"]
+    if "checkpoint" in source or "checkpoint" in overrides:
+        engine = Engine.from_pretrained(overrides.get("checkpoint", source.get("checkpoint")), device=device,
+                                        dtype=manifest["dtype"], **options)
+    else:
+        engine = Engine.from_random(source["hf_config"], device=device, dtype=manifest["dtype"],
+                                    weight_seed=source["weight_seed"], **options)
+    if model_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
+        engine.close()
+        raise SaveFileError("the model loaded for this session is not the one it was saved with (its weights "
+                            "differ); restore with checkpoint= pointing at the model the session was saved from.")
+    if used > engine.pool.num_blocks:
+        engine.close()
+        raise SaveFileError(f"the session holds {used:,} KV blocks, the pool has {engine.pool.num_blocks:,}; "
+                            f"restore with num_blocks >= {used:,}.")
+    _rebuild(engine, manifest, tensors, used)
+    return engine
+
+
+def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], used: int) -> None:
+    tree, pool = engine.branch_tree, engine.pool
+    blocks = pool.allocator.allocate(used) if used else []
+    if used:
+        ids = torch.tensor(blocks, device=pool.kv.device)
+        # As bytes: index_copy_ has no float8 kernel on every device, and a byte copy is exact for any dtype.
+        pool.kv.view(torch.uint8).index_copy_(2, ids, tensors["kv"].to(pool.kv.device).view(torch.uint8))
+        if pool.scales is not None:
+            pool.scales.index_copy_(2, ids, tensors["kv_scales"].to(pool.scales.device))
+    nodes: list[Node] = []
+    for saved in manifest["nodes"]:
+        parent = tree.root if saved["parent"] < 0 else nodes[saved["parent"]]
+        node = Node(id=saved["id"], parent=parent, start=saved["start"], tokens=list(saved["tokens"]),
+                    blocks=[blocks[b] for b in saved["blocks"]])
+        parent.children.append(node)
+        nodes.append(node)
+    for row, node_index in enumerate(manifest["hidden_nodes"]):
+        nodes[node_index].last_hidden = tensors["hidden"][row].to(engine.device)
+    tree._next_node_id = manifest["next_node_id"]
+    for number, saved in enumerate(manifest["branches"]):
+        node = tree.root if saved["node"] < 0 else nodes[saved["node"]]
+        branch = Branch(saved["name"], node, tree, saved["seed"])
+        node.branch_names.add(branch.name)
+        tree.branches[branch.name] = branch
+        if saved["generator"]:
+            branch.generator = torch.Generator(device=engine.device)
+            branch.generator.set_state(tensors[f"generator/{number}"])
+        if saved["constraint"] is not None:
+            engine.constrain(branch, saved["constraint"])
+            branch.matcher.consume_tokens(branch.tokens[saved["constraint_from"]:])
+            branch.constraint_from = saved["constraint_from"]
+    engine.audit()
