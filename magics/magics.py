@@ -18,12 +18,12 @@ from dendrite_nb.kv import Branch
 
 from .cell_options import read_cell_options, split_inline_options
 from .live import LiveGeneration
-from .results import Branches, Generated, Loaded, Pruned
+from .results import Branches, Generated, Loaded, Pruned, Saved
 from .session import Session, check_new_name, source_label
 from .show import show_branch
 from .views import StatusView
 
-SUBCOMMANDS = ("load", "demo", "status")
+SUBCOMMANDS = ("load", "demo", "status", "save", "restore")
 
 
 @contextmanager
@@ -94,6 +94,8 @@ class DendriteMagics(Magics):
           %dendrite load PATH [--device cuda] [--dtype bfloat16] [--kv-dtype fp8]
                               [--attention auto] [--block-size 16] [--num-blocks N] [--replace]
           %dendrite status
+          %dendrite save FILE
+          %dendrite restore FILE [--device cuda] [--num-blocks N] [--replace]
 
         Options:
           demo          the embedded tiny Llama (random weights, built locally on first use)
@@ -102,12 +104,18 @@ class DendriteMagics(Magics):
                         triton, flashinfer or torch
           --replace     close the loaded engine (freeing its memory and its branches) and load this one
           status        the engine, its KV pool and its branches
+          save FILE     write the whole session (tree, branches, sampling state, constraints, KV) to FILE,
+                        atomically; it survives a kernel restart
+          restore FILE  load the model the session was saved with and the session itself; decoding goes on
+                        exactly where it stopped (a damaged or mismatched file is refused, nothing changes)
 
         Examples::
 
           %dendrite demo
           %dendrite load ~/models/Qwen3-0.6B --device cuda --dtype bfloat16
           %dendrite load ~/models/Llama-3.1-8B --device cuda --replace
+          %dendrite save ~/runs/tot.dendrite
+          %dendrite restore ~/runs/tot.dendrite --device cuda
           from dendrite_nb.magics import current_engine; eng = current_engine()
         """
         words = line.split(None, 1)
@@ -135,6 +143,22 @@ class DendriteMagics(Magics):
         with user_errors():
             engine = Engine.from_pretrained(demo_checkpoint(), device=args.device, num_blocks=args.num_blocks)
         return self._install(engine, "demo (embedded tiny Llama, random weights)", args.replace)
+
+    def _dendrite_save(self, rest: str) -> Saved:
+        args = parse_argstring(_save_arguments, rest)
+        engine = self.session.require_engine()
+        with user_errors():
+            path = engine.save(args.path)
+        used = engine.pool.num_blocks - engine.num_free_blocks
+        return Saved(str(path), len(engine.branches), used, path.stat().st_size / 2**20)
+
+    def _dendrite_restore(self, rest: str) -> Loaded:
+        args = parse_argstring(_restore_arguments, rest)
+        self.session.check_can_load(args.replace)
+        overrides = {"device": args.device} | ({"num_blocks": args.num_blocks} if args.num_blocks else {})
+        with user_errors():
+            engine = Engine.restore(args.path, **overrides)
+        return self._install(engine, f"restored {args.path}", args.replace)
 
     def _install(self, engine: Engine, source: str, replace: bool) -> Loaded:
         old = self.session.install(engine, source, replace)
@@ -405,6 +429,21 @@ class DendriteMagics(Magics):
 @argument("--replace", action="store_true", help="close the loaded engine first")
 def _load_arguments(line: str) -> None:
     """%dendrite load"""
+
+
+@magic_arguments()
+@argument("path", help="the file to write (replaced atomically if it exists)")
+def _save_arguments(line: str) -> None:
+    """%dendrite save"""
+
+
+@magic_arguments()
+@argument("path", help="a file written by %%dendrite save or Engine.save")
+@argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+@argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: the saved engine's)")
+@argument("--replace", action="store_true", help="close the loaded engine first")
+def _restore_arguments(line: str) -> None:
+    """%dendrite restore"""
 
 
 @magic_arguments()

@@ -47,6 +47,18 @@ class Loaded(PrettyByRepr):
 
 
 @dataclass(frozen=True, repr=False)
+class Saved(PrettyByRepr):
+    path: str
+    branches: int
+    blocks: int  # KV blocks in use that were written
+    size_mib: float
+
+    def __repr__(self) -> str:
+        return (f"saved {self.branches} branch{'es' if self.branches != 1 else ''} and {self.blocks:,} KV blocks "
+                f"to {self.path} ({self.size_mib:,.1f} MiB)")
+
+
+@dataclass(frozen=True, repr=False)
 class Branches(PrettyByRepr):
     """Branches a magic created or extended; iterate for their names."""
     action: str

@@ -1,6 +1,7 @@
 """The magics in a real kernel, driven over ZeroMQ by jupyter_client as JupyterLab drives them:
 execute_requests that carry cell metadata, and Kernel > Interrupt in the middle of a generation."""
 import queue
+import signal
 import time
 
 import pytest
@@ -123,3 +124,80 @@ def test_kernel_interrupt_stops_at_a_step_boundary_and_the_next_cell_works(loade
 
     reply, outputs = execute(client, "%gen root -n 3 --ignore-eos")
     assert reply["status"] == "ok" and "3 new tokens" in text_of(outputs)
+
+
+# The same session, grown in a kernel and in this process: a forked tree with sampled branches.
+GROW = """
+from dendrite_nb import SamplingParams
+from dendrite_nb.magics import current_engine
+eng = current_engine()
+trunk = eng.new_branch("trunk", "A river blocks the road. The bridge is")
+eng.generate([trunk], 3, SamplingParams(temperature=0.0, ignore_eos=True))
+eng.generate(eng.fork(trunk, 3), 5, SamplingParams(temperature=1.0, top_p=0.95, ignore_eos=True))
+"""
+CONTINUE = """
+import torch
+from dendrite_nb import SamplingParams
+from dendrite_nb.magics import current_engine
+eng = current_engine()
+names = ["trunk/0", "trunk/1", "trunk/2"]
+tokens = eng.generate(names, 6, SamplingParams(temperature=1.0, top_p=0.95, ignore_eos=True))
+torch.save({"tokens": tokens, "logits": eng.next_logits(names)}, OUT)
+"""
+
+
+def test_a_session_saved_in_one_kernel_continues_exactly_in_a_new_one(checkpoint, tmp_path):
+    """Save, kill the kernel process, start a new kernel, restore, continue: the tokens and logits equal
+    those of the same session run without interruption (in this process)."""
+    import torch
+
+    from dendrite_nb.magics import current_session
+    from IPython import get_ipython
+    from IPython.testing.globalipapp import start_ipython
+
+    load = f"%load_ext dendrite_nb\n%dendrite load {checkpoint()} --num-blocks 64 --block-size 4"
+    saved, after_restore = tmp_path / "session.dendrite", tmp_path / "restored.pt"
+    def run_in_new_kernel(cells, before_shutdown=None):
+        manager = jupyter_client.KernelManager(kernel_name="python3")
+        manager.start_kernel()
+        client = manager.client()
+        client.start_channels()
+        try:
+            client.wait_for_ready(timeout=TIMEOUT_S)
+            for code in cells:
+                reply, outputs = execute(client, code)
+                assert reply["status"] == "ok", text_of(outputs)
+            if before_shutdown:
+                before_shutdown(manager)
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=True)
+
+    def kill(manager):  # SIGKILL: the process dies at once, nothing but the file survives
+        manager.signal_kernel(signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT_S
+        while manager.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not manager.is_alive()
+
+    run_in_new_kernel([load, GROW, f"%dendrite save {saved}"], before_shutdown=kill)
+    run_in_new_kernel(["%load_ext dendrite_nb", f"%dendrite restore {saved}",
+                       f"OUT = {str(after_restore)!r}\n" + CONTINUE])
+
+    ip = start_ipython() or get_ipython()
+    session = current_session()
+    previous = session.engine
+    session.engine = None
+    uninterrupted = tmp_path / "uninterrupted.pt"
+    try:
+        ip.run_line_magic("load_ext", "dendrite_nb")
+        ip.run_line_magic("dendrite", f"load {checkpoint()} --num-blocks 64 --block-size 4")
+        exec(GROW, {})
+        exec(CONTINUE, {"OUT": str(uninterrupted)})
+    finally:
+        if session.engine is not None:
+            session.engine.close()
+        session.engine = previous
+    restored, expected = torch.load(after_restore), torch.load(uninterrupted)
+    assert restored["tokens"] == expected["tokens"]
+    assert torch.equal(restored["logits"], expected["logits"])

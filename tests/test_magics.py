@@ -355,3 +355,21 @@ def test_a_cell_constraint_drives_the_generation(ip, cell_metadata, metadata, in
     generated, _ = magic(ip, "branch pick --from root --gen 30", inline + "Pick one:")
     assert generated["pick"] in ("left", "right") or json.loads(generated["pick"])["answer"] in ("yes", "no")
     current_engine().audit()
+
+
+def test_save_and_restore_a_session_through_the_magics(ip, tmp_path):
+    magic(ip, "fork root a b")
+    magic(ip, "gen a b -n 4 --ignore-eos")
+    saved, _ = magic(ip, f"dendrite save {tmp_path / 's.dendrite'}")
+    assert "saved 3 branches" in repr(saved)
+    before = {name: b.tokens for name, b in current_engine().branches.items()}
+    with pytest.raises(UsageError, match="--replace"):
+        magic(ip, f"dendrite restore {tmp_path / 's.dendrite'}")
+    with pytest.raises(UsageError, match="no save file"):
+        magic(ip, f"dendrite restore {tmp_path / 'missing'} --replace")
+    assert {name: b.tokens for name, b in current_engine().branches.items()} == before  # nothing changed
+    loaded, _ = magic(ip, f"dendrite restore {tmp_path / 's.dendrite'} --replace")
+    assert "restored" in repr(loaded)
+    assert {name: b.tokens for name, b in current_engine().branches.items()} == before
+    result, _ = magic(ip, "gen a -n 2 --ignore-eos")
+    assert len(result.tokens[0]) == 2
