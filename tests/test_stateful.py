@@ -1,11 +1,13 @@
-"""No leaks: random new/append/fork/generate/prune sequences keep every invariant after every step.
+"""No leaks: random new/append/fork/generate/prune/save-restore sequences keep every invariant after every step.
 
 After each step: refcounts equal the references the tree holds, free + used = pool size, freed
 blocks still carry their canaries, every branch holds exactly the tokens a shadow model predicts,
 and a branch's next-token logits equal those of a fresh prefill of its tokens (so copy-on-write and
-block reuse never corrupt what a branch reads). Pruning everything returns the pool to full.
+block reuse never corrupt what a branch reads). A save and restore swaps in an engine whose branches
+give bit-identical logits. Pruning everything returns the pool to full.
 """
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, precondition, rule
@@ -22,11 +24,11 @@ tokens_strategy = st.lists(st.integers(min_value=3, max_value=250), min_size=1, 
 def loaded(checkpoint):
     engine = Engine.from_pretrained(checkpoint(), num_blocks=8)
     reference = Engine(engine.model, None, num_blocks=256, block_size=16)  # roomy, for fresh prefills
-    return engine.model, engine.tokenizer, reference
+    return engine.model, engine.tokenizer, reference, engine.source
 
 
-def test_random_operation_sequences_keep_invariants(loaded):
-    model, tokenizer, reference = loaded
+def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
+    model, tokenizer, reference, source = loaded
 
     class TreeMachine(RuleBasedStateMachine):
         branches = Bundle("branches")
@@ -35,6 +37,7 @@ def test_random_operation_sequences_keep_invariants(loaded):
             super().__init__()
             # A fresh pool per example (the weights are shared), so a replayed failure is an exact rerun.
             self.engine = Engine(model, tokenizer, num_blocks=NUM_BLOCKS, block_size=4, debug=True)
+            self.engine.source = source  # the weights are that checkpoint's, so a restore can rebuild them
             self.expected: dict[str, list[int]] = {}
             self.counter = 0
 
@@ -91,6 +94,15 @@ def test_random_operation_sequences_keep_invariants(loaded):
             if name in self.expected:
                 self.engine.prune(name)
                 del self.expected[name]
+
+        @precondition(lambda self: self.expected)
+        @rule()
+        def save_and_restore(self):
+            names = sorted(self.expected)
+            before = self.engine.next_logits(names)
+            restored = Engine.restore(self.engine.save(tmp_path / "session"))
+            assert torch.equal(restored.next_logits(names), before)
+            self.engine = restored  # not close(): that would free the weights the other examples share
 
         @precondition(lambda self: self.expected)
         @rule(data=st.data())
