@@ -27,6 +27,7 @@ def current_engine() -> Engine:
 
 def _remember_cell(info) -> None:
     _SESSION.cell_source = info.raw_cell
+    _SESSION.cell_serial += 1
 
 
 def load_ipython_extension(ipython) -> None:

@@ -7,6 +7,7 @@ request (unknown branch, no room, context overflow) are reported the same way.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from IPython.core.error import UsageError
@@ -18,12 +19,12 @@ from dendrite_nb.kv import Branch
 
 from .cell_options import read_cell_options, split_inline_options
 from .live import LiveGeneration
-from .results import Branches, Generated, Loaded, Pruned, Saved
-from .session import Session, check_new_name, source_label
+from .results import AutosaveSet, Branches, Generated, Loaded, Pruned, Saved
+from .session import Autosave, Session, check_new_name, source_label
 from .show import show_branch
 from .views import StatusView
 
-SUBCOMMANDS = ("load", "demo", "status", "save", "restore")
+SUBCOMMANDS = ("load", "demo", "status", "save", "restore", "autosave")
 
 
 @contextmanager
@@ -96,6 +97,7 @@ class DendriteMagics(Magics):
           %dendrite status
           %dendrite save FILE
           %dendrite restore FILE [--device cuda] [--num-blocks N] [--replace]
+          %dendrite autosave FILE [--every N] | %dendrite autosave off
 
         Options:
           demo          the embedded tiny Llama (random weights, built locally on first use)
@@ -108,6 +110,7 @@ class DendriteMagics(Magics):
                         atomically; it survives a kernel restart
           restore FILE  load the model the session was saved with and the session itself; decoding goes on
                         exactly where it stopped (a damaged or mismatched file is refused, nothing changes)
+          autosave FILE save the session to FILE after every N-th cell that generates (default every 1)
 
         Examples::
 
@@ -159,6 +162,19 @@ class DendriteMagics(Magics):
         with user_errors():
             engine = Engine.restore(args.path, **overrides)
         return self._install(engine, f"restored {args.path}", args.replace)
+
+    def _dendrite_autosave(self, rest: str) -> AutosaveSet:
+        if rest.strip() == "off":
+            self.session.autosave = None
+            return AutosaveSet(None, 0)
+        args = parse_argstring(_autosave_arguments, rest)
+        if args.every < 1:
+            raise UsageError(f"--every takes a count of cells >= 1, got {args.every}.")
+        path = Path(args.path).expanduser()
+        if not path.parent.is_dir():
+            raise UsageError(f"cannot autosave to {str(path)!r}: its folder does not exist.")
+        self.session.autosave = Autosave(path, args.every)
+        return AutosaveSet(str(path), args.every)
 
     def _install(self, engine: Engine, source: str, replace: bool) -> Loaded:
         old = self.session.install(engine, source, replace)
@@ -316,6 +332,8 @@ class DendriteMagics(Magics):
             self.session.last_result = self._result(engine, branches, interrupted.outputs, live,
                                                     interrupted.steps_done, True)
             raise
+        finally:
+            self.session.generated()  # an interrupted cell kept its tokens: it counts for autosave too
         live.finish(interrupted=False)
         self.session.last_result = self._result(engine, branches, outputs, live, live.steps, False)
         return self.session.last_result
@@ -435,6 +453,13 @@ def _load_arguments(line: str) -> None:
 @argument("path", help="the file to write (replaced atomically if it exists)")
 def _save_arguments(line: str) -> None:
     """%dendrite save"""
+
+
+@magic_arguments()
+@argument("path", help="the file each autosave replaces (atomically)")
+@argument("--every", type=int, default=1, help="save after every N-th generating cell (default 1)")
+def _autosave_arguments(line: str) -> None:
+    """%dendrite autosave"""
 
 
 @magic_arguments()

@@ -59,6 +59,18 @@ class Saved(PrettyByRepr):
 
 
 @dataclass(frozen=True, repr=False)
+class AutosaveSet(PrettyByRepr):
+    path: str | None  # None: autosave is off
+    every: int
+
+    def __repr__(self) -> str:
+        if self.path is None:
+            return "autosave off"
+        cells = "cell" if self.every == 1 else f"{self.every} cells"
+        return f"autosave to {self.path} after every {cells} that generate{'s' if self.every == 1 else ''}"
+
+
+@dataclass(frozen=True, repr=False)
 class Branches(PrettyByRepr):
     """Branches a magic created or extended; iterate for their names."""
     action: str

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import fnmatch
 import gc
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,15 @@ from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView
 GLOB_CHARACTERS = "*?["
 
 
+@dataclass
+class Autosave:
+    path: Path
+    every: int  # generating cells between saves
+    cells: int = 0  # generating cells since autosave was turned on
+    saves: int = 0
+    last_cell: int = -1  # the cell serial that last counted (two %gen lines in one cell count once)
+
+
 class Session:
     def __init__(self):
         self.engine: Engine | None = None
@@ -31,6 +42,23 @@ class Session:
         self._subscription = None
         self._views: dict[str, Any] = {}         # one live view of each kind per engine, made on first use
         self._selection_link = None
+        self.cell_serial = 0                     # counts cells (pre_run_cell), so autosave counts cells, not magics
+        self.autosave: Autosave | None = None
+
+    # ---- autosave ------------------------------------------------------------------------------
+    def generated(self) -> None:
+        """A magic generated tokens: after every N-th generating cell, save the session (if asked)."""
+        policy = self.autosave
+        if policy is None or self.engine is None or policy.last_cell == self.cell_serial:
+            return
+        policy.last_cell = self.cell_serial
+        policy.cells += 1
+        if policy.cells % policy.every == 0:
+            try:
+                self.engine.save(policy.path)
+                policy.saves += 1
+            except Exception as error:  # a failed autosave must not fail the cell that generated
+                warnings.warn(f"autosave to {policy.path} failed: {error}", RuntimeWarning, stacklevel=2)
 
     # ---- the engine -----------------------------------------------------------------------------
     def require_engine(self) -> Engine:

@@ -373,3 +373,26 @@ def test_save_and_restore_a_session_through_the_magics(ip, tmp_path):
     assert {name: b.tokens for name, b in current_engine().branches.items()} == before
     result, _ = magic(ip, "gen a -n 2 --ignore-eos")
     assert len(result.tokens[0]) == 2
+
+
+def test_autosave_writes_after_every_nth_generating_cell(ip, tmp_path):
+    target = tmp_path / "auto.dendrite"
+    with pytest.raises(UsageError, match="--every takes a count"):
+        magic(ip, f"dendrite autosave {target} --every 0")
+    with pytest.raises(UsageError, match="folder does not exist"):
+        magic(ip, f"dendrite autosave {tmp_path / 'nope' / 'x'}")
+    assert current_session().autosave is None
+    result, _ = magic(ip, f"dendrite autosave {target} --every 2")
+    assert "after every 2 cells" in repr(result)
+    magic(ip, "fork root a b")
+    ip.run_cell("%gen a -n 2 --ignore-eos\n%gen b -n 2 --ignore-eos")  # one cell, two generations: counts once
+    assert not target.exists()
+    ip.run_cell("%fork a c")  # a cell that does not generate does not count
+    assert not target.exists()
+    ip.run_cell("%gen a b -n 2 --ignore-eos")
+    assert target.exists()
+    restored = Engine.restore(target)
+    assert {n: b.tokens for n, b in restored.branches.items()} == {
+        n: b.tokens for n, b in current_engine().branches.items()}
+    magic(ip, "dendrite autosave off")
+    assert current_session().autosave is None
