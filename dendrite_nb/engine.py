@@ -6,6 +6,8 @@ that fails (or is interrupted) undoes the appends it made.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -279,6 +281,14 @@ class Engine:
         self._emit(TreeChanged("fork", (parent.name, *names)))
         return children
 
+    def set_priority(self, branches: BranchRef | Sequence[BranchRef], priority: float) -> None:
+        """Rank branches for generate(max_batch=...): higher runs first. Forks inherit their parent's."""
+        resolved = self._resolve_list(branches)
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
+            raise ValueError(f"a priority is a finite number, got {priority!r}.")
+        for branch in resolved:
+            branch.priority = float(priority)
+
     def _child_names(self, parent: str, count: int) -> list[str]:
         names = [f"{parent}/{index}" for index in range(count)]
         if self.branch_tree.branches.keys().isdisjoint(names):  # the usual case, in one pass
@@ -308,8 +318,14 @@ class Engine:
 
     def generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None,
-                 constraint: dict[str, Any] | Constraint | None = None) -> list[list[int]]:
+                 constraint: dict[str, Any] | Constraint | None = None,
+                 max_batch: int | None = None) -> list[list[int]]:
         """Decode all given leaves together, one batched forward per step. Returns the new tokens per branch.
+
+        With max_batch, each step decodes at most that many branches: the highest-priority ones still
+        running (`branch.priority`, re-read every step, so a listener can re-rank them between steps as a
+        value function would), ties kept together by their place in the tree so siblings share a batch.
+        A branch's tokens do not depend on the schedule (each has its own sampling generator).
 
         A branch stops at EOS (unless sampling.ignore_eos), at a stop string (the token that completes
         it is kept), or after max_new_tokens. Sampled tokens are appended to the branches.
@@ -324,6 +340,8 @@ class Engine:
         if constraint is not None and not isinstance(constraint, Constraint):
             constraint = parse_constraint(constraint)   # validated once, however many branches it goes to
         resolved = self.check_generate(branches, max_new_tokens, sampling, constraint)
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch must be a positive int (branches per step), got {max_batch!r}.")
         if constraint is not None:
             self._attach(resolved, constraint)
         # Fixed for the whole call (nothing can constrain a branch mid-call): unconstrained calls skip it all.
@@ -331,13 +349,17 @@ class Engine:
         generators = [self._generator(b, sampling.seed) for b in resolved]
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
         outputs: list[list[int]] = [[] for _ in resolved]
-        active = list(range(len(resolved)))
+        limit = len(resolved) if max_batch is None else max_batch
+        groups = self._tree_order(resolved)
+        pending = list(range(len(resolved)))  # branches still to decode, in the call's order
+        active = self._schedule(resolved, pending, limit, groups)
+        max_steps = max_new_tokens * -(-len(resolved) // limit)  # exact when priorities do not change mid-call
         steps_done, masks = 0, None
         try:
             with DeferredInterrupt() as interrupt:
-                logits = self.next_logits(resolved)
+                logits = self.next_logits([resolved[i] for i in active])
                 masks = self._start_masks(resolved, active) if constrained else None
-                for step in range(max_new_tokens):
+                for step in itertools.count():
                     started = time.perf_counter()
                     histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
                                  if sampling.repetition_penalty != 1.0 else None)
@@ -346,15 +368,23 @@ class Engine:
                     drawn = sample(logits, sampling, [generators[i] for i in active], histories).tolist()
                     # Constrained matchers advance now, so the next step's masks fill during the forward.
                     advanced = self._advance_matchers([resolved[i] for i in active], drawn) if constrained else []
-                    still_active, finished = [], []
+                    finished, done = [], set()  # finished: stopped by EOS, a stop string or a complete grammar
                     for i, token in zip(active, drawn):
                         outputs[i].append(token)
                         matcher = resolved[i].matcher
-                        done = (self._finished(outputs[i], sampling, stop_window)
-                                or (matcher is not None and matcher.is_stopped()))
-                        (finished if done else still_active).append(i)
-                    masks = (self._start_masks(resolved, still_active)
-                             if constrained and step < max_new_tokens - 1 else None)
+                        if self._finished(outputs[i], sampling, stop_window) or (matcher is not None
+                                                                                  and matcher.is_stopped()):
+                            finished.append(i)
+                            done.add(i)
+                        elif len(outputs[i]) == max_new_tokens:
+                            done.add(i)
+                    still_pending = [i for i in pending if i not in done]
+                    # When every pending branch fits the batch, the next rows are known now and their masks
+                    # fill during the forward; otherwise they are chosen after this step's listeners ran
+                    # (a value function may have changed priorities).
+                    following = still_pending if len(still_pending) <= limit else None
+                    masks = (self._start_masks(resolved, following)
+                             if constrained and following else None)
                     try:
                         self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
                     except BaseException:   # the step is undone: so are its outputs and the matchers' moves
@@ -366,18 +396,20 @@ class Engine:
                             matcher.rollback(1)
                         raise
                     steps_done += 1
-                    last_step = not still_active or step == max_new_tokens - 1
-                    if not last_step:
-                        logits = self.next_logits([resolved[i] for i in still_active])
+                    pending = still_pending
                     if self._listeners:
-                        self._emit(DecodeStep(step, max_new_tokens, tuple(resolved[i].name for i in active),
+                        self._emit(DecodeStep(step, max_steps, tuple(resolved[i].name for i in active),
                                               tuple(drawn), tuple(resolved[i].name for i in finished),
                                               time.perf_counter() - started))
-                    active = still_active
-                    if last_step:
+                    if not pending:
                         break
                     if interrupt.pending:  # Ctrl-C arrived during the step; stop here, at its boundary
                         raise KeyboardInterrupt
+                    if following is None:
+                        following = self._schedule(resolved, pending, limit, groups)
+                        masks = self._start_masks(resolved, following) if constrained else None
+                    active = following
+                    logits = self.next_logits([resolved[i] for i in active])
         except GenerationInterrupted:
             raise
         except KeyboardInterrupt as interrupted:
@@ -388,6 +420,19 @@ class Engine:
             if steps_done:
                 self._emit(TreeChanged("generate", tuple(b.name for b in resolved)))
         return outputs
+
+    def _tree_order(self, branches: list[Branch]) -> list[int]:
+        """Each branch's rank in a depth-first walk of the tree: siblings and cousins rank next to each other."""
+        rank = {id(node): r for r, node in enumerate(self.branch_tree.nodes())}
+        return [rank[id(branch.node)] for branch in branches]
+
+    @staticmethod
+    def _schedule(resolved: list[Branch], pending: list[int], limit: int, groups: list[int]) -> list[int]:
+        """The rows of the next step: all pending ones, or the `limit` of highest priority (ties by tree place)."""
+        if len(pending) <= limit:
+            return list(pending)
+        chosen = sorted(pending, key=lambda i: (-resolved[i].priority, groups[i], i))[:limit]
+        return sorted(chosen, key=lambda i: groups[i])
 
     def _advance_matchers(self, branches: list[Branch], tokens: list[int]) -> list:
         pairs = [(branch, token) for branch, token in zip(branches, tokens) if branch.matcher is not None]

@@ -80,7 +80,7 @@ def save(engine: Engine, path: str | Path) -> Path:
             "name": name, "node": index.get(id(branch.node), -1), "seed": branch.seed,
             "generator": branch.generator is not None,
             "constraint": None if constraint is None else {constraint.kind: _jsonable(constraint.value)},
-            "constraint_from": branch.constraint_from,
+            "constraint_from": branch.constraint_from, "priority": branch.priority,
         })
     manifest = {
         "format": FORMAT, "version": VERSION,
@@ -205,6 +205,7 @@ def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.
     for number, saved in enumerate(manifest["branches"]):
         node = tree.root if saved["node"] < 0 else nodes[saved["node"]]
         branch = Branch(saved["name"], node, tree, saved["seed"])
+        branch.priority = saved["priority"]
         node.branch_names.add(branch.name)
         tree.branches[branch.name] = branch
         if saved["generator"]:

@@ -86,7 +86,8 @@ class LiveGeneration:
         return lines
 
     def __repr__(self) -> str:
-        done = BAR_WIDTH if self.state == "done" else BAR_WIDTH * self.steps // max(1, self.max_steps)
+        # min: a value function that re-ranks branches mid-call can take more steps than the estimate
+        done = BAR_WIDTH if self.state == "done" else min(BAR_WIDTH, BAR_WIDTH * self.steps // max(1, self.max_steps))
         bar = "[" + "#" * done + "-" * (BAR_WIDTH - done) + "]"
         lines = self._lines()
         width = max((len(label) for label, _ in lines), default=0)
@@ -96,7 +97,7 @@ class LiveGeneration:
         printer.text(repr(self))
 
     def _repr_html_(self) -> str:
-        value = self.max_steps if self.state == "done" else self.steps
+        value = self.max_steps if self.state == "done" else min(self.steps, self.max_steps)
         rows = "".join(f"<div><b>{html.escape(label)}</b> │ {html.escape(text)}</div>" for label, text in self._lines())
         return (f"<div class='dendrite-live'><progress value='{value}' max='{self.max_steps}' "
                 f"style='width:18em;vertical-align:middle'></progress> {html.escape(self._summary())}"

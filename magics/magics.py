@@ -6,6 +6,7 @@ request (unknown branch, no room, context overflow) are reported the same way.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -290,6 +291,8 @@ class DendriteMagics(Magics):
     @magic_arguments()
     @argument("branches", nargs="+", help="branch names or glob patterns such as plan/*")
     @argument("--max-tokens", "-n", type=int, default=32, help="tokens to generate per branch (default 32)")
+    @argument("--priority", type=float, default=None, help="set these branches' priority first (higher runs first)")
+    @argument("--max-batch", type=int, default=None, help="decode at most this many branches per step, by priority")
     @sampling_arguments
     @line_magic
     def gen(self, line: str = ""):
@@ -307,26 +310,37 @@ class DendriteMagics(Magics):
           %gen plan/* --max-tokens 64 --temperature 0.8 --top-p 0.95
           %gen a b --max-tokens 16 -t 0
           result = %gen root/* -n 20 --stop "."
+          %gen mcts/* -n 16 --max-batch 8          # 8 branches per step, highest priority first
+          %gen plan/2 -n 16 --priority 5           # set a priority (forks inherit it), then generate
         """
         args = parse_argstring(self.gen, line)
-        self.session.require_engine()
+        engine = self.session.require_engine()
         if args.max_tokens < 1:
             raise UsageError(f"--max-tokens takes a count >= 1, got {args.max_tokens}.")
+        if args.max_batch is not None and args.max_batch < 1:
+            raise UsageError(f"--max-batch takes a count of branches >= 1, got {args.max_batch}.")
+        if args.priority is not None and not math.isfinite(args.priority):
+            raise UsageError(f"--priority takes a finite number, got {args.priority}.")
         sampling = sampling_from(args)
         inline, _ = split_inline_options(self.session.cell_source or "")
         constraint = self._cell_constraint(inline, generating=True)
         branches = self.session.select(args.branches)
-        return self._generate(branches, args.max_tokens, sampling, constraint)
+        with user_errors():  # every refusal comes before the priorities change
+            engine.check_generate(branches, args.max_tokens, sampling, constraint)
+        if args.priority is not None:
+            engine.set_priority(branches, args.priority)
+        return self._generate(branches, args.max_tokens, sampling, constraint, args.max_batch)
 
     def _generate(self, branches: list[Branch], max_tokens: int, sampling: SamplingParams,
-                  constraint: Constraint | None) -> Generated:
+                  constraint: Constraint | None, max_batch: int | None = None) -> Generated:
         engine = self.session.require_engine()
         with user_errors():  # refuse before the live view appears, so a refused cell shows only the error
             engine.check_generate(branches, max_tokens, sampling, constraint)
-        live = LiveGeneration(engine, branches, max_tokens)
+        per_step = len(branches) if max_batch is None else max_batch
+        live = LiveGeneration(engine, branches, max_tokens * -(-len(branches) // per_step))
         try:
             with engine.subscribe(live), user_errors():
-                outputs = engine.generate(branches, max_tokens, sampling, constraint)
+                outputs = engine.generate(branches, max_tokens, sampling, constraint, max_batch=max_batch)
         except GenerationInterrupted as interrupted:
             live.finish(interrupted=True)
             self.session.last_result = self._result(engine, branches, interrupted.outputs, live,

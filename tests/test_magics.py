@@ -396,3 +396,19 @@ def test_autosave_writes_after_every_nth_generating_cell(ip, tmp_path):
         n: b.tokens for n, b in current_engine().branches.items()}
     magic(ip, "dendrite autosave off")
     assert current_session().autosave is None
+
+
+def test_gen_sets_priorities_and_decodes_a_limited_batch(ip):
+    magic(ip, "fork root a b c")
+    before = engine_state(current_engine())
+    for bad, message in (("--max-batch 0", "--max-batch takes a count"), ("--priority nan", "--priority takes a finite"),
+                         ("-n 0 --priority 3", "--max-tokens takes a count")):
+        with pytest.raises(UsageError, match=message):
+            magic(ip, f"gen a b c {bad}")
+    assert engine_state(current_engine()) == before and current_engine().branch("a").priority == 0.0
+    magic(ip, "gen c -n 1 --priority 2 --ignore-eos")
+    steps = []
+    with current_engine().subscribe(lambda e: steps.append(e.branches) if isinstance(e, DecodeStep) else None):
+        result, _ = magic(ip, "gen a b c -n 3 --max-batch 1 --ignore-eos")
+    assert [len(t) for t in result.tokens] == [3, 3, 3]
+    assert steps[:3] == [("c",), ("c",), ("c",)] and len(steps) == 9  # c ranks highest, one branch a step

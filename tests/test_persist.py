@@ -18,6 +18,7 @@ def grow_session(eng: Engine) -> list[str]:
     trunk = eng.new_branch("trunk", "A tree of thought, with branches that share")
     eng.generate([trunk], 3, GREEDY)
     kids = eng.fork(trunk, 3)
+    eng.set_priority(kids[1], 2.5)
     eng.generate(kids, 5, SAMPLED)
     asked = eng.new_branch("asked", "Answer in JSON:")
     eng.generate([asked], 2, SAMPLED, constraint={"json_schema": SCHEMA})
@@ -30,7 +31,7 @@ def continue_session(eng: Engine, names: list[str]) -> tuple[list[list[int]], to
 
 
 def structure(eng: Engine) -> dict:
-    return {name: (b.tokens, b.seed, b.node.id) for name, b in eng.branches.items()}
+    return {name: (b.tokens, b.seed, b.node.id, b.priority) for name, b in eng.branches.items()}
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ class Branch:
     """A named, movable pointer to a node. Handles go stale when the branch is pruned."""
 
     __slots__ = ("name", "node", "_seed", "_seed_base", "generator", "constraint", "matcher", "constraint_from",
-                 "_tree")
+                 "priority", "_tree")
 
     def __init__(self, name: str, node: Node, tree: BranchTree, seed: int | None = 0, seed_base: int = 0):
         self.name, self.node, self._tree = name, node, tree
@@ -57,6 +57,7 @@ class Branch:
         self.constraint = None  # the Constraint this branch decodes under, or None
         self.matcher = None     # its llguidance matcher: the grammar position after the branch's tokens
         self.constraint_from = 0  # the branch length when the constraint was attached (what the matcher consumed since)
+        self.priority = 0.0  # generate(max_batch=...) decodes higher priorities first; forks inherit it
 
     @property
     def seed(self) -> int:
@@ -196,6 +197,8 @@ class BranchTree:
         self.check_new_names(names)
         node, base = branch.node, branch.seed
         children = [Branch(name, node, self, None, base) for name in names]
+        for child in children:
+            child.priority = branch.priority
         node.branch_names.update(names)
         self.branches.update(zip(names, children))
         return children
