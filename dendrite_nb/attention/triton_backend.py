@@ -150,7 +150,7 @@ class TritonAttention:
         append_kv(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)  # one launch; fp8 quantised
 
     def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        from .triton_kernels import merge_partials_kernel, segment_attention_kernel
+        from .triton_kernels import LOG2E, merge_partials_kernel, segment_attention_kernel
 
         tokens, num_heads, head_dim = q.shape
         kv_heads = kv.k.shape[2]
@@ -174,7 +174,7 @@ class TritonAttention:
             segment_attention_kernel[(launch.items.shape[0], kv_heads)](
                 q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos, plan.block_ids,
                 q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
-                partial.stride(0), partial.stride(1), head_dim ** -0.5 * 1.4426950408889634,
+                partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
                 NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
                 BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
                 num_warps=warps, num_stages=stages,
