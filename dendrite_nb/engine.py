@@ -352,7 +352,7 @@ class Engine:
         limit = len(resolved) if max_batch is None else max_batch
         groups = self._tree_order(resolved)
         pending = list(range(len(resolved)))  # branches still to decode, in the call's order
-        active = self._schedule(resolved, pending, limit, groups)
+        active = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
         max_steps = max_new_tokens * -(-len(resolved) // limit)  # exact when priorities do not change mid-call
         steps_done, masks = 0, None
         try:
@@ -405,8 +405,12 @@ class Engine:
                         break
                     if interrupt.pending:  # Ctrl-C arrived during the step; stop here, at its boundary
                         raise KeyboardInterrupt
+                    if following is not None and not self._fits(resolved, following):
+                        if masks is not None:  # filled for rows that no longer all fit: re-planned below
+                            masks[1].result()
+                        following = None
                     if following is None:
-                        following = self._schedule(resolved, pending, limit, groups)
+                        following = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
                         masks = self._start_masks(resolved, following) if constrained else None
                     active = following
                     logits = self.next_logits([resolved[i] for i in active])
@@ -425,6 +429,16 @@ class Engine:
         """Each branch's rank in a depth-first walk of the tree: siblings and cousins rank next to each other."""
         rank = {id(node): r for r, node in enumerate(self.branch_tree.nodes())}
         return [rank[id(branch.node)] for branch in branches]
+
+    def _fits(self, resolved: list[Branch], rows: list[int]) -> bool:
+        return sum(self.branch_tree.blocks_needed(resolved[i], 1) for i in rows) <= self.num_free_blocks
+
+    def _fit(self, resolved: list[Branch], rows: list[int]) -> list[int]:
+        """`rows`, or the part of them the pool holds after preempting (see _make_room)."""
+        if self._fits(resolved, rows):
+            return rows
+        chosen = set(rows)
+        return self._make_room(resolved, rows, [i for i in range(len(resolved)) if i not in chosen])
 
     @staticmethod
     def _schedule(resolved: list[Branch], pending: list[int], limit: int, groups: list[int]) -> list[int]:
@@ -468,8 +482,16 @@ class Engine:
         for branch in resolved:
             self._check_not_empty(branch)
             self._check_context(branch.name, len(branch), max_new_tokens)
-        self._check_blocks([(b, max_new_tokens) for b in resolved], f"generating {max_new_tokens:,} tokens "
-                           f"on {len(resolved)} branch{'es' if len(resolved) > 1 else ''}")
+        what = f"generating {max_new_tokens:,} tokens on {len(resolved)} branch{'es' if len(resolved) > 1 else ''}"
+        tree = self.branch_tree
+        needs = [tree.blocks_needed(b, max_new_tokens) for b in resolved]
+        if sum(needs) > self.num_free_blocks:
+            # Not all at once: the call preempts lower-priority branches, so each must fit with the others out.
+            reclaimable = sum(tree.preemptible(b) for b in resolved)
+            for branch, need in zip(resolved, needs):
+                room = self.num_free_blocks + reclaimable - tree.preemptible(branch)
+                if need > room:
+                    raise OutOfBlocks(need, room, f"{what} (branch {branch.name!r} alone, the others preempted)")
         return resolved
 
     def _finished(self, generated: list[int], sampling: SamplingParams, stop_window: int) -> bool:
@@ -569,6 +591,59 @@ class Engine:
             raise ContextOverflow(f"ContextOverflow: branch {name!r} needs {have + adding:,} tokens "
                                   f"({have:,} + {adding:,}), the model allows {limit:,}.")
 
+    # ---- preemption ---------------------------------------------------------------------------
+    def preempt(self, branch: BranchRef) -> int:
+        """Park a branch: its own KV blocks (its leaf node's, which nothing else reads) move to host memory
+        and return to the pool; it resumes, exactly, when it next grows. Returns the blocks freed.
+        generate() does this by itself, lowest priority first, when the pool cannot hold a step."""
+        resolved = self.branch_tree.resolve(branch)
+        if not self.branch_tree.preemptible(resolved):
+            raise ValueError(f"branch {resolved.name!r} has no KV blocks of its own to preempt (it is preempted "
+                             f"already, or its tokens are shared with other branches: fork points stay resident).")
+        count = len(resolved.node.blocks)
+        self._preempt(resolved)
+        self._emit(TreeChanged("preempt", (resolved.name,)))
+        return count
+
+    def _preempt(self, branch: Branch) -> None:
+        """Move the branch's own KV blocks to host memory (pinned on CUDA) and give them back to the pool."""
+        node, pool = branch.node, self.pool
+        ids = torch.tensor(node.blocks, device=pool.kv.device)
+        pin = pool.kv.device.type == "cuda"
+        kv = pool.kv.view(torch.uint8).index_select(2, ids).to("cpu")  # bytes: exact for fp8 too
+        scales = None if pool.scales is None else pool.scales.index_select(2, ids).to("cpu")
+        node.swapped = (kv.pin_memory() if pin else kv, scales)
+        self.branch_tree.preempt(branch)
+
+    def _resume(self, branch: Branch) -> None:
+        """Blocks for a preempted branch again, with its KV copied back byte for byte."""
+        node, pool = branch.node, self.pool
+        kv, scales = node.swapped
+        ids = torch.tensor(self.branch_tree.resume(node), device=pool.kv.device)
+        pool.kv.view(torch.uint8).index_copy_(2, ids, kv.to(pool.kv.device))
+        if scales is not None:
+            pool.scales.index_copy_(2, ids, scales.to(pool.scales.device))
+        node.swapped = None
+
+    def _make_room(self, resolved: list[Branch], rows: list[int], others: list[int]) -> list[int]:
+        """The rows of the next step that fit the pool, preempting what must make way: first the call's
+        branches outside the step (lowest priority first), then the step's own lowest-priority rows."""
+        tree = self.branch_tree
+        rows = list(rows)
+        by_priority = lambda i: resolved[i].priority  # noqa: E731
+        victims = sorted((i for i in others if tree.preemptible(resolved[i])), key=by_priority)
+        while True:
+            need = sum(tree.blocks_needed(resolved[i], 1) for i in rows)
+            if need <= self.num_free_blocks:
+                return rows
+            if victims:
+                self._preempt(resolved[victims.pop(0)])
+                continue
+            dropped = min(rows, key=by_priority)  # check_generate made sure one row alone always fits
+            rows.remove(dropped)
+            if tree.preemptible(resolved[dropped]):
+                self._preempt(resolved[dropped])
+
     def _check_blocks(self, growth: list[tuple[Branch, int]], what: str) -> None:
         needed = sum(self.branch_tree.blocks_needed(b, n) for b, n in growth)
         if needed > self.num_free_blocks:
@@ -583,6 +658,9 @@ class Engine:
         total = sum(len(t) for _, t in pairs)
         where = f"branch {pairs[0][0].name!r}" if len(pairs) == 1 else f"{len(pairs)} branches"
         self._check_blocks([(b, len(t)) for b, t in pairs], f"appending {total:,} tokens to {where}")
+        for branch, _ in pairs:
+            if branch.node.swapped_blocks:
+                self._resume(branch)
         budget_per_forward = max(self.prefill_chunk_tokens, len(pairs))
         done = [0] * len(pairs)
         records: list[AppendRecord] = []

@@ -71,6 +71,11 @@ def save(engine: Engine, path: str | Path) -> Path:
             tensors["kv_scales"] = engine.pool.scales.index_select(2, ids).cpu()
     if hidden_nodes:
         tensors["hidden"] = torch.stack([nodes[i].last_hidden for i in hidden_nodes]).cpu()
+    for i, node in enumerate(nodes):
+        if node.swapped_blocks:  # a preempted node's KV is in host memory, as bytes (see Engine._preempt)
+            tensors[f"preempted/{i}"] = node.swapped[0]
+            if node.swapped[1] is not None:
+                tensors[f"preempted_scales/{i}"] = node.swapped[1]
     branches = []
     for name, branch in tree.branches.items():
         if branch.generator is not None:
@@ -90,8 +95,8 @@ def save(engine: Engine, path: str | Path) -> Path:
         "block_size": engine.pool.block_size, "options": engine.options, "next_node_id": tree._next_node_id,
         "num_blocks": engine.pool.num_blocks,
         "nodes": [{"id": node.id, "parent": -1 if node.parent is tree.root else index[id(node.parent)],
-                   "start": node.start, "tokens": node.tokens, "blocks": [compact[b] for b in node.blocks]}
-                  for node in nodes],
+                   "start": node.start, "tokens": node.tokens, "blocks": [compact[b] for b in node.blocks],
+                   "preempted": node.swapped_blocks} for node in nodes],
         "hidden_nodes": hidden_nodes,
         "branches": branches,
         "tensors": {name: _tensor_sha(tensor) for name, tensor in tensors.items()},
@@ -197,6 +202,10 @@ def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.
         parent = tree.root if saved["parent"] < 0 else nodes[saved["parent"]]
         node = Node(id=saved["id"], parent=parent, start=saved["start"], tokens=list(saved["tokens"]),
                     blocks=[blocks[b] for b in saved["blocks"]])
+        if saved["preempted"]:
+            node.swapped_blocks = saved["preempted"]
+            number = len(nodes)
+            node.swapped = (tensors[f"preempted/{number}"], tensors.get(f"preempted_scales/{number}"))
         parent.children.append(node)
         nodes.append(node)
     for row, node_index in enumerate(manifest["hidden_nodes"]):

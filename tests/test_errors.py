@@ -44,7 +44,8 @@ BAD_CALLS = {
     "context overflow on generate": (lambda e, a, k, p: e.generate(k, 2040), ContextOverflow, "needs 2,"),
     "context overflow on a new branch": (lambda e, a, k, p: e.new_branch("big", [1] * 2049), ContextOverflow, "2,049"),
     "pool too small for an append": (lambda e, a, k, p: e.append(a, [1] * 400), OutOfBlocks, "to branch 'a' needs"),
-    "pool too small for generate": (lambda e, a, k, p: e.generate(k, 200), OutOfBlocks, "generating 200 tokens on 2"),
+    "pool too small for generate": (lambda e, a, k, p: e.generate(k, 300), OutOfBlocks,
+                                    "generating 300 tokens on 2 branches .branch 'a/0' alone, the others preempted"),
     "pool too small for a new branch": (lambda e, a, k, p: e.new_branch("big", [1] * 400), OutOfBlocks,
                                         "400 tokens to branch 'big' needs 100 free KV blocks, the pool has 57. Prune"),
 }

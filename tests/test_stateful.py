@@ -1,4 +1,5 @@
-"""No leaks: random new/append/fork/generate/prune/save-restore sequences keep every invariant after every step.
+"""No leaks: random new/append/fork/generate/prune/preempt/save-restore sequences keep every invariant after every
+step (generate also preempts by itself when the small pool cannot hold a step).
 
 After each step: refcounts equal the references the tree holds, free + used = pool size, freed
 blocks still carry their canaries, every branch holds exactly the tokens a shadow model predicts,
@@ -94,6 +95,16 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             if name in self.expected:
                 self.engine.prune(name)
                 del self.expected[name]
+
+        @rule(name=branches)
+        def preempt(self, name):
+            if name not in self.expected:
+                return
+            before = engine_state(self.engine)
+            try:
+                self.engine.preempt(name)
+            except ValueError:  # shared or already preempted: refused, nothing changed
+                assert engine_state(self.engine) == before
 
         @precondition(lambda self: self.expected)
         @rule()

@@ -36,6 +36,10 @@ class Node:
     last_hidden: Any = None  # engine payload: the final hidden state after this node's last token
     # Ancestors-inclusive tokens and block table, kept only while frozen (a frozen node never changes).
     path_cache: dict[str, list[int]] = field(default_factory=dict)
+    # Preempted: the node's KV lives outside the pool (engine payload `swapped`) and `blocks` is empty.
+    # Only a childless node read by one branch is preempted, and it is resumed before anything appends to it.
+    swapped_blocks: int = 0
+    swapped: Any = None
 
     @property
     def end(self) -> int:
@@ -148,18 +152,44 @@ class BranchTree:
                 and branch.name in node.branch_names)
 
     def _needed(self, node: Node, in_place: bool, num_tokens: int) -> int:
+        """Blocks to take from the free list: a preempted node's own come back first."""
         size, end = self.block_size, node.start + len(node.tokens)
+        held = len(node.blocks) + node.swapped_blocks
         if in_place:
-            return max(0, -(-(end + num_tokens) // size) - node.start // size - len(node.blocks))
-        return -(-(end + num_tokens) // size) - end // size
+            return node.swapped_blocks + max(0, -(-(end + num_tokens) // size) - node.start // size - held)
+        return node.swapped_blocks + -(-(end + num_tokens) // size) - end // size
 
     def blocks_needed(self, branch: Branch, num_tokens: int) -> int:
         """Free blocks an append of `num_tokens` would take (copy-on-write copy included)."""
         return self._needed(branch.node, self._extends_in_place(branch), num_tokens)
 
+    # ---- preemption ---------------------------------------------------------------------------
+    def preemptible(self, branch: Branch) -> int:
+        """Blocks that preempting `branch` would free: its leaf node's, when nothing else reads them."""
+        node = branch.node
+        if node is self.root or node.children or node.branch_names != {branch.name}:
+            return 0
+        return len(node.blocks)
+
+    def preempt(self, branch: Branch) -> list[int]:
+        """Give the branch's leaf blocks back (the caller copied their KV out first); returns them."""
+        node = branch.node
+        if not self.preemptible(branch):
+            raise RuntimeError(f"branch {branch.name!r} has no blocks of its own to preempt")
+        freed, node.blocks, node.swapped_blocks = node.blocks, [], len(node.blocks)
+        self.allocator.decref(freed)
+        return freed
+
+    def resume(self, node: Node) -> list[int]:
+        """Blocks for a preempted node again (the caller copies its KV back in). Raises OutOfBlocks first."""
+        node.blocks, node.swapped_blocks = self.allocator.allocate(node.swapped_blocks, "resuming a branch"), 0
+        return node.blocks
+
     def append(self, branch: Branch, tokens: list[int]) -> AppendRecord:
         """Put `tokens` on the branch; allocates blocks. Raises OutOfBlocks before changing anything."""
         node, size = branch.node, self.block_size
+        if node.swapped_blocks:
+            raise RuntimeError(f"branch {branch.name!r} is preempted; resume it before appending")
         in_place = self._extends_in_place(branch)
         needed = self._needed(node, in_place, len(tokens))
         if needed > self.allocator.num_free:  # the message is built only when it is needed (a hot path)
@@ -227,6 +257,7 @@ class BranchTree:
             parent.path_cache.clear()  # a leaf again: it may be extended, so its paths may change
         freed = self.allocator.decref(node.blocks)
         node.blocks, node.parent, node.last_hidden = [], None, None
+        node.swapped, node.swapped_blocks = None, 0
         return freed
 
     # ---- derived views ------------------------------------------------------------------------
@@ -269,7 +300,9 @@ class BranchTree:
             if node is self.root:
                 continue
             expected = _ceil_div(node.end, self.block_size) - node.start // self.block_size
-            if len(node.blocks) != expected:
+            if node.swapped_blocks and (node.blocks or node.children):
+                problems.append(f"preempted node {node.id} holds blocks or has children")
+            if len(node.blocks) + node.swapped_blocks != expected:
                 problems.append(f"node {node.id} holds {len(node.blocks)} blocks for {len(node.tokens)} tokens")
             if node.start != node.parent.end:
                 problems.append(f"node {node.id} starts at {node.start}, its parent ends at {node.parent.end}")
