@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -21,6 +22,7 @@ from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
 from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
 from .kv.cascade import SegmentCache
+from .kv.tree import RECOMPUTE
 from .model.config import ModelConfig
 from .model.loader import load_model, random_model, read_config
 from .model.transformer import CausalLM
@@ -86,6 +88,8 @@ class Engine:
             self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
         self._graphs = self._decode_graphs(cuda_graphs)
         self._segments = SegmentCache()
+        # Preempted KV beyond this many host bytes is dropped and recomputed on resume (None: half the free RAM).
+        self.host_memory_limit_bytes: int | None = None
         self.branch_tree = BranchTree(self.pool.allocator, block_size)
         self.seed = seed
         eos = set(self.config.eos_token_ids)
@@ -437,8 +441,7 @@ class Engine:
         """`rows`, or the part of them the pool holds after preempting (see _make_room)."""
         if self._fits(resolved, rows):
             return rows
-        chosen = set(rows)
-        return self._make_room(resolved, rows, [i for i in range(len(resolved)) if i not in chosen])
+        return self._make_room(resolved, rows)
 
     @staticmethod
     def _schedule(resolved: list[Branch], pending: list[int], limit: int, groups: list[int]) -> list[int]:
@@ -486,8 +489,8 @@ class Engine:
         tree = self.branch_tree
         needs = [tree.blocks_needed(b, max_new_tokens) for b in resolved]
         if sum(needs) > self.num_free_blocks:
-            # Not all at once: the call preempts lower-priority branches, so each must fit with the others out.
-            reclaimable = sum(tree.preemptible(b) for b in resolved)
+            # Not all at once: the call preempts other leaves as it goes, so each must fit with the others out.
+            reclaimable = sum(tree.preemptible(b) for b in tree.branches.values())
             for branch, need in zip(resolved, needs):
                 room = self.num_free_blocks + reclaimable - tree.preemptible(branch)
                 if need > room:
@@ -606,8 +609,13 @@ class Engine:
         return count
 
     def _preempt(self, branch: Branch) -> None:
-        """Move the branch's own KV blocks to host memory (pinned on CUDA) and give them back to the pool."""
+        """Move the branch's own KV blocks to host memory (pinned on CUDA) and give them back to the pool; when
+        host memory is short, drop them instead: resuming then recomputes them from the tokens."""
         node, pool = branch.node, self.pool
+        if len(node.blocks) * pool.bytes_per_block > self._host_room_bytes():
+            node.swapped = RECOMPUTE
+            self.branch_tree.preempt(branch)
+            return
         ids = torch.tensor(node.blocks, device=pool.kv.device)
         pin = pool.kv.device.type == "cuda"
         kv = pool.kv.view(torch.uint8).index_select(2, ids).to("cpu")  # bytes: exact for fp8 too
@@ -615,9 +623,21 @@ class Engine:
         node.swapped = (kv.pin_memory() if pin else kv, scales)
         self.branch_tree.preempt(branch)
 
+    def _host_room_bytes(self) -> int:
+        """Host memory preempted KV may take now: host_memory_limit_bytes, or half the memory available."""
+        if self.host_memory_limit_bytes is not None:
+            return self.host_memory_limit_bytes
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
+            return 1 << 30
+
     def _resume(self, branch: Branch) -> None:
-        """Blocks for a preempted branch again, with its KV copied back byte for byte."""
+        """Blocks for a preempted branch again, with its KV copied back byte for byte (or recomputed)."""
         node, pool = branch.node, self.pool
+        if node.swapped is RECOMPUTE:
+            self._recompute(branch)
+            return
         kv, scales = node.swapped
         ids = torch.tensor(self.branch_tree.resume(node), device=pool.kv.device)
         pool.kv.view(torch.uint8).index_copy_(2, ids, kv.to(pool.kv.device))
@@ -625,21 +645,34 @@ class Engine:
             pool.scales.index_copy_(2, ids, scales.to(pool.scales.device))
         node.swapped = None
 
-    def _make_room(self, resolved: list[Branch], rows: list[int], others: list[int]) -> list[int]:
-        """The rows of the next step that fit the pool, preempting what must make way: first the call's
-        branches outside the step (lowest priority first), then the step's own lowest-priority rows."""
+    def _recompute(self, branch: Branch) -> None:
+        """Write a dropped node's KV again with one forward over its tokens (ancestors stay resident)."""
+        node, size = branch.node, self.pool.block_size
+        self.branch_tree.resume(node)
+        if node.start % size:  # its first block also holds the parent's tail, copied as copy-on-write does
+            self.pool.copy_block(self.branch_tree.block_table(node.parent)[node.start // size], node.blocks[0])
+        last_hidden, node.swapped = node.last_hidden, None
+        record = AppendRecord(branch, node, node, False, 0, len(node.blocks), None, last_hidden)
+        self._forward([(record, list(node.tokens))])
+        node.last_hidden = last_hidden  # the saved state after the last token stays the one decoding used
+
+    def _make_room(self, resolved: list[Branch], rows: list[int]) -> list[int]:
+        """The rows of the next step that fit the pool, preempting what must make way: first branches
+        outside this call, then the call's branches outside the step (lowest priority first of each), then
+        the step's own lowest-priority rows. Shared ancestors are never preempted."""
         tree = self.branch_tree
         rows = list(rows)
-        by_priority = lambda i: resolved[i].priority  # noqa: E731
-        victims = sorted((i for i in others if tree.preemptible(resolved[i])), key=by_priority)
+        stepping, in_call = {id(resolved[i]) for i in rows}, {id(b) for b in resolved}
+        victims = sorted((b for b in tree.branches.values() if id(b) not in stepping and tree.preemptible(b)),
+                         key=lambda b: (id(b) in in_call, b.priority))
         while True:
             need = sum(tree.blocks_needed(resolved[i], 1) for i in rows)
             if need <= self.num_free_blocks:
                 return rows
             if victims:
-                self._preempt(resolved[victims.pop(0)])
+                self._preempt(victims.pop(0))
                 continue
-            dropped = min(rows, key=by_priority)  # check_generate made sure one row alone always fits
+            dropped = min(rows, key=lambda i: resolved[i].priority)  # check_generate: one row alone always fits
             rows.remove(dropped)
             if tree.preemptible(resolved[dropped]):
                 self._preempt(resolved[dropped])

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import SaveFileError
-from .kv.tree import Branch, Node
+from .kv.tree import RECOMPUTE, Branch, Node
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -72,7 +72,7 @@ def save(engine: Engine, path: str | Path) -> Path:
     if hidden_nodes:
         tensors["hidden"] = torch.stack([nodes[i].last_hidden for i in hidden_nodes]).cpu()
     for i, node in enumerate(nodes):
-        if node.swapped_blocks:  # a preempted node's KV is in host memory, as bytes (see Engine._preempt)
+        if node.swapped_blocks and isinstance(node.swapped, tuple):  # KV in host memory, as bytes (_preempt)
             tensors[f"preempted/{i}"] = node.swapped[0]
             if node.swapped[1] is not None:
                 tensors[f"preempted_scales/{i}"] = node.swapped[1]
@@ -205,7 +205,8 @@ def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.
         if saved["preempted"]:
             node.swapped_blocks = saved["preempted"]
             number = len(nodes)
-            node.swapped = (tensors[f"preempted/{number}"], tensors.get(f"preempted_scales/{number}"))
+            node.swapped = ((tensors[f"preempted/{number}"], tensors.get(f"preempted_scales/{number}"))
+                            if f"preempted/{number}" in tensors else RECOMPUTE)
         parent.children.append(node)
         nodes.append(node)
     for row, node_index in enumerate(manifest["hidden_nodes"]):

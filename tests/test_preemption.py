@@ -79,3 +79,22 @@ def test_out_of_blocks_only_when_one_branch_alone_cannot_fit_and_then_nothing_ch
         tight.generate(names, 4 * POOL, SAMPLED)
     assert engine_state(tight) == before
     tight.audit()
+
+
+def test_with_no_host_memory_to_spare_preempted_leaves_are_recomputed(engines, tmp_path):
+    tight, roomy = engines
+    tight.host_memory_limit_bytes = 0  # nothing may be copied out: every preempted leaf is dropped
+    names = kids_with_priorities(tight)
+    kids_with_priorities(roomy)
+    assert tight.generate(names, STEPS, SAMPLED) == roomy.generate(names, STEPS, SAMPLED)
+    tight.audit()
+    parked = [n for n in names if tight.branch(n).node.swapped_blocks]
+    assert parked and all(tight.branch(n).node.swapped == "recompute" for n in parked)
+    restored = Engine.restore(tight.save(tmp_path / "s"))  # a dropped leaf stays dropped across a restore
+    assert all(restored.branch(n).node.swapped == "recompute" for n in parked)
+    # Recomputed KV comes from one prefill instead of token-by-token decoding: equal up to float32 rounding.
+    expected = roomy.generate(parked, 4, SAMPLED)
+    for eng in (tight, restored):
+        assert eng.generate(parked, 4, SAMPLED) == expected
+        assert (eng.next_logits(parked) - roomy.next_logits(parked)).abs().max() < 1e-3
+        eng.audit()

@@ -20,6 +20,9 @@ from ..errors import BranchExists, BranchPruned, OutOfBlocks, UnknownBranch
 from .allocator import BlockAllocator
 
 
+RECOMPUTE = "recompute"  # Node.swapped of a preempted node whose KV was dropped (to be recomputed), not copied
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
