@@ -18,6 +18,8 @@ def tree_snapshot(tree: BranchTree) -> dict[str, Any]:
             "blocks": list(node.blocks),
             "children": [child.id for child in node.children],
             "branches": sorted(node.branch_names),
+            # its KV is out of the pool (host memory, or dropped for recompute) until its branch grows again
+            "preempted": node.swapped_blocks > 0,
         }
         for node in tree.nodes()
     ]

@@ -89,6 +89,17 @@ def test_tree_view_colours_decoding_then_finished_then_idle(eng):
     assert next(n for n in view._nodes if n["parent"] is None)["state"] == "shared"
 
 
+def test_tree_view_shows_a_preempted_branch_until_it_grows_again(eng):
+    eng.fork("root", 2)
+    eng.generate(["root/0", "root/1"], 2, SAMPLE)   # each gets a leaf node of its own
+    view = TreeView(eng, interval_s=0)
+    eng.preempt("root/1")
+    states = {n["label"]: n["state"] for n in view._nodes}
+    assert states["root/1"] == "preempted" and states["root/0"] == "idle"
+    eng.generate(["root/1"], 2, SAMPLE)
+    assert {n["label"]: n["state"] for n in view._nodes}["root/1"] == "idle"
+
+
 def test_selection_is_validated_and_dropped_when_its_branch_is_pruned(eng):
     eng.fork("root", 2)
     view = TreeView(eng, interval_s=0)

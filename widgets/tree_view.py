@@ -50,7 +50,7 @@ def tree_lines(snapshot: dict[str, Any]) -> list[str]:
 
 
 class TreeView(EngineView):
-    """Nodes sized by token count, labelled by branch, coloured by state (idle, decoding, finished).
+    """Nodes sized by token count, labelled by branch, coloured by state (idle, decoding, finished, preempted).
     Hover for a node's text tail, tokens, blocks and refcounts; click a node to select its branch
     (again to cycle when several branches share it); the ▾ toggle collapses a subtree."""
 
@@ -80,7 +80,8 @@ class TreeView(EngineView):
         nodes, offsets, blocks = [], [0], []
         for node in snapshot["nodes"]:
             states = {self._states.state(name) for name in node["branches"]}
-            state = next((s for s in ("decoding", "finished", "idle") if s in states), "shared")
+            state = ("preempted" if node["preempted"] else
+                     next((s for s in ("decoding", "finished", "idle") if s in states), "shared"))
             nodes.append({
                 "id": node["id"], "parent": node["parent"], "label": node_label(node),
                 "branches": node["branches"], "start": node["start"], "num_tokens": node["num_tokens"],

@@ -55,7 +55,7 @@ function tooltipText(node, blocks, refcounts) {
 function render({ model, el }) {
   const frame = viewFrame(el, "tree");
   const legend = element("div", "dendrite-legend");
-  for (const state of ["idle", "decoding", "finished", "shared"]) {
+  for (const state of ["idle", "decoding", "finished", "preempted", "shared"]) {
     const item = element("span");
     item.innerHTML = `<span class="dendrite-swatch" style="border-radius:50%;background:var(--dendrite-state-${state})"></span>${state === "shared" ? "shared prefix" : state}`;
     legend.appendChild(item);
