@@ -530,8 +530,8 @@ class Engine:
     def restore(cls, path: str | Path, **overrides: Any) -> Engine:
         """A new engine with the session saved at `path`: the same model (rebuilt from its checkpoint
         folder or random-weight config and checked by fingerprint), tree, branches and KV; decoding goes on
-        exactly as if nothing had stopped. Overrides: device, num_blocks, attention, cuda_graphs, debug,
-        checkpoint (where the weights now live). A corrupted or mismatched file raises SaveFileError."""
+        exactly as if nothing had stopped. Overrides: device (default: the one it was saved from),
+        num_blocks, attention, cuda_graphs, debug, checkpoint (where the weights now live). A corrupted or mismatched file raises SaveFileError."""
         from .persist import restore
 
         return restore(path, **overrides)

@@ -93,6 +93,7 @@ def save(engine: Engine, path: str | Path) -> Path:
         "source": engine.source,
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "block_size": engine.pool.block_size, "options": engine.options, "next_node_id": tree._next_node_id,
+        "device": engine.device.type,
         "num_blocks": engine.pool.num_blocks,
         "nodes": [{"id": node.id, "parent": -1 if node.parent is tree.root else index[id(node.parent)],
                    "start": node.start, "tokens": node.tokens, "blocks": [compact[b] for b in node.blocks],
@@ -168,7 +169,7 @@ def restore(path: str | Path, **overrides: Any) -> Engine:
     options = {**manifest["options"], "block_size": manifest["block_size"], "kv_dtype": manifest["kv_dtype"],
                "num_blocks": max(manifest["num_blocks"], used)}
     options.update({k: v for k, v in overrides.items() if k in FREE_OPTIONS and k not in ("device", "checkpoint")})
-    device = overrides.get("device", "cpu")
+    device = overrides.get("device") or manifest["device"]  # by default where it was saved from
     source = manifest["source"]
     if "checkpoint" in source or "checkpoint" in overrides:
         engine = Engine.from_pretrained(overrides.get("checkpoint", source.get("checkpoint")), device=device,

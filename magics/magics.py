@@ -478,7 +478,7 @@ def _autosave_arguments(line: str) -> None:
 
 @magic_arguments()
 @argument("path", help="a file written by %%dendrite save or Engine.save")
-@argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+@argument("--device", default=None, help="cpu or cuda (default: the device it was saved from)")
 @argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: the saved engine's)")
 @argument("--replace", action="store_true", help="close the loaded engine first")
 def _restore_arguments(line: str) -> None:
