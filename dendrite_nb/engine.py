@@ -354,7 +354,7 @@ class Engine:
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
         outputs: list[list[int]] = [[] for _ in resolved]
         limit = len(resolved) if max_batch is None else max_batch
-        groups = self._tree_order(resolved)
+        groups = self._tree_order(resolved) if limit < len(resolved) else None  # only a limited batch picks
         pending = list(range(len(resolved)))  # branches still to decode, in the call's order
         active = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
         max_steps = max_new_tokens * -(-len(resolved) // limit)  # exact when priorities do not change mid-call
@@ -435,7 +435,12 @@ class Engine:
         return [rank[id(branch.node)] for branch in branches]
 
     def _fits(self, resolved: list[Branch], rows: list[int]) -> bool:
-        return sum(self.branch_tree.blocks_needed(resolved[i], 1) for i in rows) <= self.num_free_blocks
+        """Whether one decode step of `rows` fits the free blocks. A resident row takes at most one block
+        per token, so the per-row count runs only near a full pool or with preempted rows."""
+        free = self.num_free_blocks
+        if len(rows) <= free and not any(resolved[i].node.swapped_blocks for i in rows):
+            return True
+        return sum(self.branch_tree.blocks_needed(resolved[i], 1) for i in rows) <= free
 
     def _fit(self, resolved: list[Branch], rows: list[int]) -> list[int]:
         """`rows`, or the part of them the pool holds after preempting (see _make_room)."""
@@ -444,7 +449,7 @@ class Engine:
         return self._make_room(resolved, rows)
 
     @staticmethod
-    def _schedule(resolved: list[Branch], pending: list[int], limit: int, groups: list[int]) -> list[int]:
+    def _schedule(resolved: list[Branch], pending: list[int], limit: int, groups: list[int] | None) -> list[int]:
         """The rows of the next step: all pending ones, or the `limit` of highest priority (ties by tree place)."""
         if len(pending) <= limit:
             return list(pending)

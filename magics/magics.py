@@ -314,7 +314,7 @@ class DendriteMagics(Magics):
           %gen plan/2 -n 16 --priority 5           # set a priority (forks inherit it), then generate
         """
         args = parse_argstring(self.gen, line)
-        engine = self.session.require_engine()
+        self.session.require_engine()
         if args.max_tokens < 1:
             raise UsageError(f"--max-tokens takes a count >= 1, got {args.max_tokens}.")
         if args.max_batch is not None and args.max_batch < 1:
@@ -325,17 +325,16 @@ class DendriteMagics(Magics):
         inline, _ = split_inline_options(self.session.cell_source or "")
         constraint = self._cell_constraint(inline, generating=True)
         branches = self.session.select(args.branches)
-        with user_errors():  # every refusal comes before the priorities change
-            engine.check_generate(branches, args.max_tokens, sampling, constraint)
-        if args.priority is not None:
-            engine.set_priority(branches, args.priority)
-        return self._generate(branches, args.max_tokens, sampling, constraint, args.max_batch)
+        return self._generate(branches, args.max_tokens, sampling, constraint, args.max_batch, args.priority)
 
     def _generate(self, branches: list[Branch], max_tokens: int, sampling: SamplingParams,
-                  constraint: Constraint | None, max_batch: int | None = None) -> Generated:
+                  constraint: Constraint | None, max_batch: int | None = None,
+                  priority: float | None = None) -> Generated:
         engine = self.session.require_engine()
         with user_errors():  # refuse before the live view appears, so a refused cell shows only the error
             engine.check_generate(branches, max_tokens, sampling, constraint)
+        if priority is not None:  # only once every refusal has had its chance: a refused cell changes nothing
+            engine.set_priority(branches, priority)
         per_step = len(branches) if max_batch is None else max_batch
         live = LiveGeneration(engine, branches, max_tokens * -(-len(branches) // per_step))
         try:

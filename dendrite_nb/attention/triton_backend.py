@@ -39,7 +39,6 @@ class _Launch:
 
 @dataclass(slots=True)
 class TritonPlan:
-    num_tokens: int
     num_slots: int
     slot_mapping: torch.Tensor  # [T] int32 flat cache slot of each new token
     launches: list[_Launch]
@@ -99,7 +98,7 @@ class TritonAttention:
             offset += length
         launches = [_Launch(views[f"items{block_m}"].view(count, ITEM_COLS), block_m)
                     for block_m, count in shape.items if count]
-        return TritonPlan(num_tokens=shape.tokens, num_slots=shape.slots, slot_mapping=views["mapping"],
+        return TritonPlan(num_slots=shape.slots, slot_mapping=views["mapping"],
                           launches=launches, entry_rows=views["rows"], entry_pos=views["pos"],
                           block_ids=views["blocks"], slot_indptr=views["indptr"], slots=views["slots"], host=host)
 
