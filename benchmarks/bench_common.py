@@ -117,17 +117,53 @@ def time_calls(fn: Callable[[], Any], device: torch.device, repeats: int, warmup
     return times
 
 
-def kernel_seconds(fn: Callable[[], Any], device: torch.device) -> float:
-    """Median seconds of one call of fn, a GPU launch: triton's do_bench where it runs (it flushes the L2
-    between calls, so small inputs are read from memory as in a real step), else synchronised calls."""
+def kernel_seconds(fn: Callable[[], Any], device: torch.device, capture: bool = True) -> float:
+    """Median device seconds of one call of fn (GPU launches), with the L2 cache flushed before each call so
+    its inputs come from memory as in a real step. On CUDA the calls replay from a CUDA graph, so the
+    figure is GPU time, not Python launch overhead (a few tens of us per Triton launch); where fn cannot
+    be captured (or capture=False), triton's do_bench (which includes that overhead); on the CPU,
+    synchronised calls."""
     if device.type == "cuda":
         try:
-            from triton.testing import do_bench
-        except ImportError:
-            do_bench = None
-        if do_bench is not None:
-            return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+            if capture:
+                return graph_seconds(fn, device)
+        except RuntimeError as error:   # not capturable (it syncs, or plans inside): time it launch by launch
+            log(f"  (not capturable in a CUDA graph, timed with do_bench: {str(error).splitlines()[0][:100]})")
+            free_memory(device)
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
     return statistics.median(time_calls(fn, device, repeats=10, warmup=2))
+
+
+L2_FLUSH_BYTES = 256 * 2**20  # larger than any GPU's L2 here (H200: 60 MB)
+GRAPH_CALLS = 20
+
+
+def graph_seconds(fn: Callable[[], Any], device: torch.device, calls: int = GRAPH_CALLS) -> float:
+    """Device seconds per call of fn: a CUDA graph of `calls` x (L2 flush, fn) minus one of the flushes alone."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    fn()   # compiles and allocates outside the capture
+    torch.cuda.synchronize(device)
+
+    def replay_seconds(with_fn: bool) -> float:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graph.replay()
+        times = []
+        for _ in range(5):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        return statistics.median(times)
+
+    return max(replay_seconds(True) - replay_seconds(False), 0.0) / calls
 
 
 # ---- floors -----------------------------------------------------------------------------------

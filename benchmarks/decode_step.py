@@ -5,9 +5,12 @@ Cases (real shapes, random weights, bf16):
       target <= 1.25x floor.
   (b) qwen3-0.6b: 1 leaf with a 512-token context; target <= 2x floor.
 
-A step is one `generate(leaves, 1)` call: the LM head over the leaves' last hidden states, sampling, and
-the forward that writes the new tokens' KV. The median of --steps calls is reported (after --warmup
-calls, which also take the JIT compiles and graph captures). Floor: the bytes a step must read once
+A step: the LM head over the leaves' last hidden states, sampling, and the forward that writes the new
+tokens' KV. "step ms" is a step inside decoding: the median over CALLS calls of generate(leaves, --steps),
+divided by --steps (the engine plans step k+1 while the GPU runs step k, so host work hides there).
+"1-step call" is one generate(leaves, 1) call, median of --steps calls: nothing to overlap with, it
+pays every host cost in full. Both after --warmup untimed generate(leaves, steps) calls, which also take
+the JIT compiles and graph captures. Floor: the bytes a step must read once
 (every weight but the embedding table, the shared prefix's KV once, each leaf's own tokens' KV) over
 the copy bandwidth measured in the same run, or the step's FLOPs at the measured matmul rate if larger.
 Peer in the same run: transformers (LlamaForCausalLM / Qwen3ForCausalLM on the same weight tensors)
@@ -16,7 +19,7 @@ repeated to the batch, then the leaves' own tokens).
 
 One model per case is built once; each variant is an Engine over it, rebuilt only for its own KV pool.
 
-    python benchmarks/decode_step.py [--cases a b] [--steps 20] [--warmup 3] [--no-hf] [--json PATH] [--smoke]
+    python benchmarks/decode_step.py [--cases a b] [--steps 20] [--warmup 1] [--no-hf] [--json PATH] [--smoke]
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from bench_common import (Column, Report, Setup, build_model, engine_variant, fi
 from dendrite_nb import SamplingParams
 
 BLOCK_SIZE = 16
+CALLS = 3  # timed generate(leaves, steps) calls per variant
 # (attention, cuda_graphs): None leaves the engine's default, which is off for the torch reference.
 VARIANTS = [("triton", True), ("triton", False), ("flashinfer", True), ("flashinfer", False), ("torch", None)]
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -65,9 +69,10 @@ def num_blocks(case: Case, extra_tokens: int) -> int:
 
 
 def engine_step_seconds(model, setup: Setup, attention: str, graphs: bool | None, case: Case, prefix_ids,
-                        own_ids, steps: int, warmup: int) -> tuple[list[float] | None, str | None]:
+                        own_ids, steps: int, warmup: int) -> tuple[tuple[list[float], list[float]] | None, str | None]:
+    """((seconds per step inside generate(leaves, steps), per call), seconds per generate(leaves, 1) call)."""
     engine, reason = engine_variant(model, setup, attention, graphs, block_size=BLOCK_SIZE,
-                                    num_blocks=num_blocks(case, warmup + steps + 1))
+                                    num_blocks=num_blocks(case, warmup * steps + CALLS * steps + steps + 1))
     if engine is None:
         return None, reason
     try:
@@ -76,7 +81,9 @@ def engine_step_seconds(model, setup: Setup, attention: str, graphs: bool | None
         if case.leaves > 1:
             leaves = engine.fork(root, case.leaves)
             engine.append_many(zip(leaves, own_ids))
-        return time_calls(functools.partial(engine.generate, leaves, 1, GREEDY), setup.device, steps, warmup), None
+        in_call = time_calls(functools.partial(engine.generate, leaves, steps, GREEDY), setup.device, CALLS, warmup)
+        single = time_calls(functools.partial(engine.generate, leaves, 1, GREEDY), setup.device, steps)
+        return ([t / steps for t in in_call], single), None
     except RUN_ERRORS as error:
         return None, f"failed while running: {type(error).__name__}: {error}"
 
@@ -106,13 +113,13 @@ def main(argv: list[str] | None = None) -> dict:
     arguments = parser(__doc__)
     arguments.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES))
     arguments.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20; smoke 3)")
-    arguments.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
+    arguments.add_argument("--warmup", type=int, default=None, help="untimed generate(leaves, steps) calls first (default 1)")
     arguments.add_argument("--hf-steps", type=int, default=None, help="timed transformers steps (default 5; smoke 2)")
     arguments.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     steps = args.steps or (3 if setup.smoke else 20)
-    warmup = args.warmup if args.warmup is not None else (1 if setup.smoke else 3)
+    warmup = args.warmup if args.warmup is not None else 1
     hf_steps = args.hf_steps or (2 if setup.smoke else 5)
     report = Report("decode_step", setup)
     report.floors = floors = measure_floors(setup)
@@ -121,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
                          [Column("case", "case", label=True), Column("attention", "attention", label=True),
                           Column("graphs", "graphs", label=True), Column("step_ms", "step ms", "{:.3f}"),
                           Column("floor_ms", "floor ms", "{:.3f}"), Column("x_floor", "x floor", "{:.2f}"),
-                          Column("target", "target", label=True), Column("vs_hf", "HF / step", "{:.1f}x")])
+                          Column("target", "target", label=True), Column("vs_hf", "HF / step", "{:.1f}x"),
+                          Column("single_ms", "1-step call ms", "{:.3f}")])
 
     for key in args.cases:
         case = (SMOKE_CASES if setup.smoke else CASES)[key]
@@ -132,8 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
         vocab = model.config.vocab_size
         prefix_ids = random_ids(case.prefix, vocab, seed=1)
         own_ids = random_ids(case.own, vocab, seed=2, rows=case.leaves) if case.leaves > 1 else []
-        # Own tokens each leaf holds at the median timed step, including the one that step writes.
-        own_mid = case.own + warmup + steps // 2 + 1
+        # Own tokens each leaf holds at the median timed step (inside the calls), including the one it writes.
+        own_mid = case.own + warmup * steps + (CALLS * steps) // 2 + 1
         context = case.prefix + own_mid
         kv_bytes = costs.kv_bytes(case.prefix + case.leaves * own_mid)
         flops = case.leaves * costs.prefill_flops(1, context - 1)
@@ -157,18 +165,21 @@ def main(argv: list[str] | None = None) -> dict:
         for attention, graphs in VARIANTS:
             label = {"case": case_label, "attention": attention,
                      "graphs": {True: "on", False: "off", None: "off"}[graphs], "target": target}
-            times, reason = engine_step_seconds(model, setup, attention, graphs, case, prefix_ids, own_ids, steps,
+            measured, reason = engine_step_seconds(model, setup, attention, graphs, case, prefix_ids, own_ids, steps,
                                                 warmup)
             free_memory(setup.device)   # this variant's pool (and graphs), before the next one's
-            if times is None:
+            if measured is None:
                 log(f"  {attention:>10} graphs {label['graphs']:>3}: unavailable: {reason}")
                 table.add(**label, unavailable=reason)
                 continue
+            times, single = measured
             step_ms = statistics.median(times) * 1e3
             row = table.add(**label, step_ms=step_ms, floor_ms=floor_s * 1e3, x_floor=step_ms / (floor_s * 1e3),
-                            vs_hf=hf_ms / step_ms if hf_ms else None, min_ms=min(times) * 1e3)
+                            vs_hf=hf_ms / step_ms if hf_ms else None, min_ms=min(times) * 1e3,
+                            single_ms=statistics.median(single) * 1e3)
             rows.append(row)
-            log(f"  {attention:>10} graphs {label['graphs']:>3}: {step_ms:8.3f} ms/step ({row['x_floor']:.2f}x floor)")
+            log(f"  {attention:>10} graphs {label['graphs']:>3}: {step_ms:8.3f} ms/step ({row['x_floor']:.2f}x floor); "
+                f"1-step call {row['single_ms']:.3f} ms")
         hf_label = {"case": case_label, "attention": "transformers", "graphs": "off", "target": "peer"}
         if hf_ms is None:
             table.add(**hf_label, unavailable=hf_reason)

@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
             out = engine.backend.attend(plan, q, kv).float()
             rel_err = ((out - expected).norm() / expected.norm()).item()
             worst_err = max(worst_err, rel_err)
-            seconds = kernel_seconds(functools.partial(engine.backend.attend, plan, q, kv), setup.device)
+            # The torch reference allocates tens of GB per call: timed call by call, not captured in a graph.
+            seconds = kernel_seconds(functools.partial(engine.backend.attend, plan, q, kv), setup.device,
+                                     capture=backend != "torch")
             rows[label] = table.add(**name, us=seconds * 1e6, floor_us=floor_s * 1e6, x_floor=seconds / floor_s,
                                     host_ms=(layout_s + plan_s) * 1e3, rel_err=rel_err, unique_tokens=unique,
                                     context_tokens=sum(contexts), leaves=len(leaves), segments=len(segments),

@@ -3,9 +3,11 @@
 A decode step of a small model is hundreds of short kernels; launched one by one from Python, the
 launch gaps cost more than the kernels (0.6B: ~300 launches). A graph is captured per (batch bucket,
 plan shape): the batch is padded to the next bucket and every plan section to a power of two, so one
-graph serves many steps of a growing context. Each step's token ids, positions and attention plan go to
-the graph's static buffer in one host-to-device copy; padding rows write their KV into the pool's sink
-block, own no attention work, and their outputs are dropped.
+graph serves many steps of a growing context. A step is prepared before its tokens exist: positions and
+attention plan go to the graph's static buffer in one host-to-device copy (queued behind the step still
+running). It is launched once the sampler has written the tokens on the device: a device copy puts them
+in the buffer, no trip through the host. Padding rows write their KV into the pool's sink block, own no
+attention work, and their outputs are dropped.
 """
 from __future__ import annotations
 
@@ -27,10 +29,19 @@ class _Captured:
     bucket: int
     shape: Any  # the backend's PlanShape
     buffer: torch.Tensor  # int32 [2 * bucket + shape.numel]: ids, positions, then the packed plan
-    staging: torch.Tensor  # pinned host twin of buffer
+    staging: torch.Tensor  # pinned host twin of buffer (its ids part unused: ids are copied on the device)
     copied: torch.cuda.Event  # the last copy out of staging; staging is rewritten only after it
     hidden: torch.Tensor  # [bucket, hidden] the graph's output
     plan: Any = None  # the plan the graph reads; it owns the partial-result scratch the kernels write
+
+
+@dataclass(slots=True)
+class _Staged:
+    bucket: int
+    rows: int
+    host: Any  # the backend's host plan
+    positions: list[int]
+    captured: _Captured | None = None  # None: no graph of this bucket and shape yet (captured at launch)
 
 
 class DecodeGraphs:
@@ -46,27 +57,42 @@ class DecodeGraphs:
     def fits(layout: BatchLayout) -> bool:
         return layout.is_decode and len(layout.q_lens) <= BATCH_BUCKETS[-1]
 
-    def run(self, layout: BatchLayout, input_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Hidden states [B, hidden] of one decode step (a fresh tensor); writes the step's KV."""
-        rows = len(input_ids)
+    def prepare(self, layout: BatchLayout) -> _Staged:
+        """The token-free half of a step: its positions and plan sent to the graph that will replay it. The
+        copy is queued behind the work already on the stream (the step still running reads this buffer)."""
+        rows = len(layout.q_lens)
         bucket = next(b for b in BATCH_BUCKETS if b >= rows)
         host = self.backend.host_plan(layout, self.block_size, self.device)
         need = host.shape()
-        captured = next((c for key, c in self._graphs.items() if key[0] == bucket and c.shape.fits(need)), None)
-        if captured is None:
-            captured = self._capture(bucket, need.padded(bucket), host, input_ids, positions)
-        self._graphs.move_to_end((bucket, captured.shape))
-        captured.copied.synchronize()
-        self._stage(captured, host, input_ids, positions)
-        captured.graph.replay()
-        return captured.hidden[:rows].clone()
+        staged = _Staged(bucket, rows, host, layout.positions)
+        staged.captured = next((c for key, c in self._graphs.items() if key[0] == bucket and c.shape.fits(need)),
+                               None)
+        if staged.captured is not None:
+            self._graphs.move_to_end((bucket, staged.captured.shape))
+            self._upload_plan(staged.captured, host, layout.positions)
+        return staged
 
-    def _stage(self, captured: _Captured, host: Any, input_ids: list[int], positions: list[int]) -> None:
-        pad = captured.bucket - len(input_ids)
-        values = torch.tensor(input_ids + [0] * pad + positions + [0] * pad, dtype=torch.int32)
-        captured.staging[: 2 * captured.bucket].copy_(values)
-        captured.staging[2 * captured.bucket:].copy_(host.pack(captured.shape, self.sink_slot))
-        captured.buffer.copy_(captured.staging, non_blocking=True)
+    def launch(self, staged: _Staged, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, hidden] of the step (a fresh tensor); writes its KV. input_ids: [B] on the device
+        (the sampler's output: no trip through the host). The graph is captured here the first time a
+        bucket and plan shape come up (capturing runs the step once for real)."""
+        captured = staged.captured
+        if captured is None:
+            captured = self._capture(staged.bucket, staged.host.shape().padded(staged.bucket), staged.host,
+                                     input_ids, staged.positions)
+        captured.buffer[: staged.rows].copy_(input_ids)  # padding rows keep older ids: any valid id will do
+        captured.graph.replay()
+        return captured.hidden[: staged.rows].clone()
+
+    def _upload_plan(self, captured: _Captured, host: Any, positions: list[int]) -> None:
+        """Positions and plan into the graph's buffer, through its pinned staging twin (the ids come at launch)."""
+        bucket = captured.bucket
+        captured.copied.synchronize()  # the staging buffer's last copy has run: it may be rewritten
+        staging = captured.staging.numpy()
+        staging[bucket: bucket + len(positions)] = positions
+        staging[bucket + len(positions): 2 * bucket] = 0
+        staging[2 * bucket:] = host.pack(captured.shape, self.sink_slot).numpy()
+        captured.buffer[bucket:].copy_(captured.staging[bucket:], non_blocking=True)
         captured.copied.record()
 
     def _capture(self, bucket: int, shape: Any, host: Any, input_ids: list[int], positions: list[int]) -> _Captured:
@@ -77,7 +103,8 @@ class DecodeGraphs:
         plan = self.backend.bind(buffer[2 * bucket:], shape)
         # The warm-up runs this very step for real (its KV writes are the ones the replay repeats): it
         # compiles the kernels and allocates the plan's scratch outside the graph's pool.
-        self._stage(captured, host, input_ids, positions)
+        self._upload_plan(captured, host, positions)
+        ids[: len(input_ids)].copy_(input_ids)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -19,9 +19,9 @@ from .attention import BatchLayout, make_backend
 from .constraints import Constraint, parse_constraint
 from .errors import CheckpointError, ConstraintError, ContextOverflow, EmptyBranch, GenerationInterrupted, OutOfBlocks
 from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
+from .forward import ForwardRunner, PlannedForward
 from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
-from .kv.cascade import SegmentCache
 from .kv.tree import RECOMPUTE
 from .model.config import ModelConfig
 from .model.loader import load_model, random_model, read_config
@@ -31,6 +31,9 @@ from .snapshot import block_snapshot, tree_snapshot
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV cache may also be fp8 (e4m3 with a float32 scale per token and KV head, kv/fp8.py); weights may not.
+# A decode step appends a placeholder for each branch's next token before that token is sampled (so the
+# step is planned while the GPU is still busy), and puts the sampled token in its place before the forward.
+PENDING_TOKEN = -1
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 CPU_KV_BUDGET_BYTES = 1 << 30
 CUDA_KV_FRACTION = 0.85  # of the memory free after the weights; the rest is for activations
@@ -87,7 +90,7 @@ class Engine:
         if self.device.type == "cuda" and fused_kernels_available(self.device):
             self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
         self._graphs = self._decode_graphs(cuda_graphs)
-        self._segments = SegmentCache()
+        self._runner = ForwardRunner(self.model, self.backend, self.pool, self._kv_layers, self._graphs, self.device)
         # Preempted KV beyond this many host bytes is dropped and recomputed on resume (None: half the free RAM).
         self.host_memory_limit_bytes: int | None = None
         self.branch_tree = BranchTree(self.pool.allocator, block_size)
@@ -318,7 +321,10 @@ class Engine:
         resolved = self._resolve_list(branches)
         for branch in resolved:
             self._check_not_empty(branch)
-        return self.model.logits(torch.stack([b.node.last_hidden for b in resolved]))
+        return self._logits(resolved)
+
+    def _logits(self, branches: list[Branch]) -> torch.Tensor:
+        return self.model.logits(self._runner.hidden_of([b.node for b in branches]))
 
     def generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None,
@@ -361,17 +367,26 @@ class Engine:
         steps_done, masks = 0, None
         try:
             with DeferredInterrupt() as interrupt:
-                logits = self.next_logits([resolved[i] for i in active])
+                logits = self._logits([resolved[i] for i in active])
                 masks = self._start_masks(resolved, active) if constrained else None
                 for step in itertools.count():
                     started = time.perf_counter()
                     histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
                                  if sampling.repetition_penalty != 1.0 else None)
-                    if masks is not None:
-                        self._guidance.apply(logits, masks[0], masks[1].result())
-                    drawn = sample(logits, sampling, [generators[i] for i in active], histories).tolist()
+                    # Planned while the GPU still computes these logits (and the forward before them).
+                    planned = self._prepare_decode([resolved[i] for i in active])
+                    try:
+                        if masks is not None:
+                            self._guidance.apply(logits, masks[0], masks[1].result())
+                        sampled = sample(logits, sampling, [generators[i] for i in active], histories)
+                    except BaseException:
+                        self._undo(planned.records)
+                        raise
+                    # The forward starts on the device's tokens; the host reads them while it runs (undone on failure).
+                    drawn = self._finish_decode(planned, sampled)
                     # Constrained matchers advance now, so the next step's masks fill during the forward.
-                    advanced = self._advance_matchers([resolved[i] for i in active], drawn) if constrained else []
+                    if constrained:
+                        self._advance_matchers([resolved[i] for i in active], drawn)
                     finished, done = [], set()  # finished: stopped by EOS, a stop string or a complete grammar
                     for i, token in zip(active, drawn):
                         outputs[i].append(token)
@@ -389,16 +404,6 @@ class Engine:
                     following = still_pending if len(still_pending) <= limit else None
                     masks = (self._start_masks(resolved, following)
                              if constrained and following else None)
-                    try:
-                        self._prefill([(resolved[i], [token]) for i, token in zip(active, drawn)])
-                    except BaseException:   # the step is undone: so are its outputs and the matchers' moves
-                        for i in active:
-                            outputs[i].pop()
-                        if masks is not None:   # the fill reads the matchers; let it finish before rolling back
-                            masks[1].result()
-                        for matcher in advanced:
-                            matcher.rollback(1)
-                        raise
                     steps_done += 1
                     pending = still_pending
                     if self._listeners:
@@ -417,7 +422,7 @@ class Engine:
                         following = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
                         masks = self._start_masks(resolved, following) if constrained else None
                     active = following
-                    logits = self.next_logits([resolved[i] for i in active])
+                    logits = self._logits([resolved[i] for i in active])
         except GenerationInterrupted:
             raise
         except KeyboardInterrupt as interrupted:
@@ -456,11 +461,10 @@ class Engine:
         chosen = sorted(pending, key=lambda i: (-resolved[i].priority, groups[i], i))[:limit]
         return sorted(chosen, key=lambda i: groups[i])
 
-    def _advance_matchers(self, branches: list[Branch], tokens: list[int]) -> list:
+    def _advance_matchers(self, branches: list[Branch], tokens: list[int]) -> None:
         pairs = [(branch, token) for branch, token in zip(branches, tokens) if branch.matcher is not None]
         if pairs:
             self._guidance.consume([b.matcher for b, _ in pairs], [t for _, t in pairs], [b.name for b, _ in pairs])
-        return [b.matcher for b, _ in pairs]
 
     def _start_masks(self, resolved: list[Branch], active: list[int]):
         """(rows, future bitmask) for the constrained rows among `active`, or None when there are none."""
@@ -551,7 +555,7 @@ class Engine:
         self.pool.kv = self.pool.kv.new_empty(0)
         self.pool.scales = None
         self._kv_layers = []
-        self._graphs = None
+        self._graphs = self._runner = None
         self.branch_tree = _ClosedTree()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -721,28 +725,47 @@ class Engine:
             raise
 
     def _forward(self, chunk: list[tuple[AppendRecord, list[int]]]) -> None:
-        q_lens = [len(tokens) for _, tokens in chunk]
-        tables = [self.branch_tree.block_table(record.node) for record, _ in chunk]
-        segments = None
-        if self.backend.reads_segments and all(q == 1 for q in q_lens):  # a decode step: read shared nodes once
-            segments = self._segments.segments(self.branch_tree, [record.node for record, _ in chunk], tables)
-        layout = BatchLayout(q_lens=q_lens, kv_lens=[record.node.end for record, _ in chunk], block_tables=tables,
-                             segments=segments)
-        for record, _ in chunk:
-            if record.cow is not None:
-                self.pool.copy_block(*record.cow)
-        token_ids = [t for _, tokens in chunk for t in tokens]
-        if self._graphs is not None and self._graphs.fits(layout):
-            hidden = self._graphs.run(layout, token_ids, layout.positions)  # [T, hidden]
-        else:
-            plan = self.backend.plan(layout, self.pool.block_size, self.device)
-            input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-            positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
-            hidden = self.model(input_ids, positions, self._kv_layers, self.backend, plan)  # [T, hidden]
-        if not layout.is_decode:  # keep each sequence's last token (a host-built index: no device sync)
-            hidden = hidden[torch.tensor(layout.q_lens).cumsum(0).sub_(1).to(self.device, non_blocking=True)]
-        for (record, _), last in zip(chunk, hidden):
-            record.node.last_hidden = last
+        planned = self._runner.plan(self.branch_tree, [record for record, _ in chunk], [len(t) for _, t in chunk])
+        self._run_forward(planned, [t for _, tokens in chunk for t in tokens])
+
+    def _run_forward(self, planned: PlannedForward, token_ids: list[int]) -> None:
+        self._runner.run(planned, token_ids)
+
+    def _prepare_decode(self, branches: list[Branch]) -> PlannedForward:
+        """The token-free half of a decode step: each branch grows by one position (blocks allocated, the
+        forward planned and staged), holding PENDING_TOKEN until _finish_decode. Raises before changing
+        anything when the pool cannot hold the step."""
+        self._check_blocks([(b, 1) for b in branches], f"a decode step of {len(branches)} branch(es)")
+        for branch in branches:
+            if branch.node.swapped_blocks:
+                self._resume(branch)
+        records: list[AppendRecord] = []
+        try:
+            for branch in branches:
+                records.append(self.branch_tree.append(branch, [PENDING_TOKEN]))
+            return self._runner.plan(self.branch_tree, records, [1] * len(records))
+        except BaseException:
+            self._undo(records)
+            raise
+
+    def _finish_decode(self, planned: PlannedForward, tokens: torch.Tensor) -> list[int]:
+        """Run the step's forward on the sampled tokens as they lie on the device, read them back (a wait
+        for the sampler only: the forward keeps running) and put them in place of the pending ones.
+        Returns the tokens. On failure the step is undone."""
+        try:
+            read = self._runner.read_back(tokens)
+            self._run_forward(planned, tokens)
+            drawn = read()
+        except BaseException:
+            self._undo(planned.records)
+            raise
+        for record, token in zip(planned.records, drawn):
+            record.node.tokens[-1] = token
+        return drawn
+
+    def _undo(self, records: list[AppendRecord]) -> None:
+        for record in reversed(records):
+            self.branch_tree.undo(record)
 
     # ---- state --------------------------------------------------------------------------------
     @property

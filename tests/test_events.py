@@ -65,15 +65,15 @@ def test_interrupt_from_a_listener_keeps_completed_steps_and_continues_exactly(e
 def test_sigint_in_the_middle_of_a_forward_stops_after_that_step(engine, monkeypatch):
     root = engine.new_branch("root", "Once upon a time")
     calls = {"n": 0}
-    real_forward = engine._forward
+    real_forward = engine._run_forward   # every forward, prefill chunks and decode steps, runs through it
 
-    def forward_with_ctrl_c_on_step_2(chunk):
+    def forward_with_ctrl_c_on_step_2(planned, token_ids):
         calls["n"] += 1
         if calls["n"] == 2:
             signal.raise_signal(signal.SIGINT)  # what Kernel > Interrupt delivers, mid-forward
-        real_forward(chunk)
+        real_forward(planned, token_ids)
 
-    monkeypatch.setattr(engine, "_forward", forward_with_ctrl_c_on_step_2)
+    monkeypatch.setattr(engine, "_run_forward", forward_with_ctrl_c_on_step_2)
     with pytest.raises(GenerationInterrupted) as caught:
         engine.generate([root], 8, SAMPLED)
     assert caught.value.steps_done == 2  # the step that was running when the signal came completed
@@ -85,15 +85,15 @@ def test_interrupt_inside_a_forward_undoes_only_that_step(engine, monkeypatch):
     root = engine.new_branch("root", "Once upon a time")
     kids = engine.fork(root, 2)
     calls = {"n": 0}
-    real_forward = engine._forward
+    real_forward = engine._run_forward
 
-    def forward_interrupted_on_call_4(chunk):
+    def forward_interrupted_on_call_4(planned, token_ids):
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt
-        real_forward(chunk)
+        real_forward(planned, token_ids)
 
-    monkeypatch.setattr(engine, "_forward", forward_interrupted_on_call_4)
+    monkeypatch.setattr(engine, "_run_forward", forward_interrupted_on_call_4)
     with pytest.raises(GenerationInterrupted) as caught:
         engine.generate(kids, 8, SAMPLED)
     assert caught.value.steps_done == 3

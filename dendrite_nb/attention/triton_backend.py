@@ -21,10 +21,15 @@ from .triton_plan import HostPlan, PlanShape, build_host_plan
 BLOCK_N = 64  # KV positions per inner step
 INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small tiles keep tests fast
 # Tile shapes measured on an H200 (benchmarks/REPORT.md): 256 rows x 8,192 shared tokens, 8B heads.
-WIDE_BLOCK_M = 128  # query vectors (rows x group heads) per item for segments read by many rows
+# Query vectors (rows x group heads) per item for segments read by many rows: a segment takes the
+# narrowest tile that holds all its rows (a mid-level node of 16 rows x 4 heads fills a 64-wide tile, not
+# half of a 128-wide one), or as many of the widest as it needs.
+TILE_WIDTHS = (64, 128)
 WIDE_LAUNCH = (4, 3)  # num_warps, num_stages of wide tiles
-MIN_CHUNK_TOKENS = 256  # a long run is split into chunks of at least this many positions for parallelism
-PROGRAMS_PER_SM = 2  # chunks are cut until a run's tiles x chunks x KV heads fill the GPU this many times
+MIN_CHUNK_TOKENS = 64  # a long run is split into chunks of at least this many positions for parallelism
+PROGRAMS_PER_SM = 2  # chunks are cut until the plan's items x KV heads fill the GPU about this many times
+MERGE_BLOCK_H = 4  # query heads per merge program: rows x heads / 4 programs keep the GPU busy
+MERGE_BLOCK_S = 8  # partial slots a merge program reads per iteration
 
 
 def interpreting() -> bool:
@@ -55,10 +60,10 @@ class TritonAttention:
     name = "triton"
     reads_segments = True
 
-    def __init__(self, block_m_wide: int = WIDE_BLOCK_M, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
-                 wide_launch: tuple[int, int] = WIDE_LAUNCH):
-        self.block_m_wide, self.min_chunk_tokens = block_m_wide, min_chunk_tokens
-        self.wide_launch = wide_launch
+    def __init__(self, tile_widths: tuple[int, ...] = TILE_WIDTHS, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+                 wide_launch: tuple[int, int] = WIDE_LAUNCH, programs_per_sm: int = PROGRAMS_PER_SM):
+        self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
+        self.wide_launch, self.programs_per_sm = wide_launch, programs_per_sm
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
 
@@ -109,8 +114,8 @@ class TritonAttention:
         slot_mapping = [table[p // block_size] * block_size + p % block_size
                         for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
                         for p in range(kv - q, kv)]
-        return build_host_plan(runs, slot_mapping, block_size, self.group, narrow, max(narrow, self.block_m_wide),
-                               self._chunker(device))
+        widths = (narrow,) + tuple(w for w in self.tile_widths if w > narrow)
+        return build_host_plan(runs, slot_mapping, block_size, self.group, widths, self._chunker(device))
 
     @staticmethod
     def _runs(layout: BatchLayout):
@@ -127,18 +132,19 @@ class TritonAttention:
             first += q
 
     def _chunker(self, device: torch.device):
-        """chunk_for(run length, tiles): positions per item. A run is cut until its tiles x chunks x KV heads
-        give every multiprocessor PROGRAMS_PER_SM programs, but never below MIN_CHUNK_TOKENS: each chunk
-        adds a partial result per row to write and merge."""
+        """chunk_for(work): positions per item, for a plan of `work` tile-positions (tiles x run lengths).
+        Runs are cut so that, with every KV head, the items give each multiprocessor about programs_per_sm
+        programs of equal work, but never below min_chunk_tokens: each chunk adds a partial result per row
+        to write and merge. So one leaf's long context splits across the GPU, and 64 short private runs
+        beside a shared prefix stay whole while the prefix splits."""
         if device.type != "cuda":
-            return lambda length, tiles: max(self.min_chunk_tokens // 8, 1)  # the interpreter: small chunks
+            return lambda work: max(self.min_chunk_tokens // 2, 1)  # the interpreter: small chunks, several per run
         if device not in self._sms:
             self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = PROGRAMS_PER_SM * self._sms[device]
+        programs = self.programs_per_sm * self._sms[device]
 
-        def chunk_for(length: int, tiles: int) -> int:
-            pieces = max(1, programs // (tiles * self.num_kv_heads))
-            chunk = max(self.min_chunk_tokens, math.ceil(length / pieces))
+        def chunk_for(work: int) -> int:
+            chunk = max(self.min_chunk_tokens, math.ceil(work * self.num_kv_heads / programs))
             return -(-chunk // BLOCK_N) * BLOCK_N
         return chunk_for
 
@@ -149,14 +155,19 @@ class TritonAttention:
         append_kv(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)  # one launch; fp8 quantised
 
     def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        from .triton_kernels import LOG2E, merge_partials_kernel, segment_attention_kernel
-
-        tokens, num_heads, head_dim = q.shape
-        kv_heads = kv.k.shape[2]
-        group = num_heads // kv_heads
+        group = q.shape[1] // kv.k.shape[2]
         if group != self.group:  # tiles hold BLOCK_M // group rows, so the plan must know the group
             raise RuntimeError(f"the plan was made for {self.group} query heads per KV head, the model has "
                                f"{group}; call configure(num_heads, num_kv_heads) before planning.")
+        self.write_partials(plan, q, kv)
+        return self.merge(plan, q)
+
+    def write_partials(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> None:
+        """Every item's partial outputs and log-sum-exps into the plan's scratch (one launch per tile width)."""
+        from .triton_kernels import LOG2E, segment_attention_kernel
+
+        num_heads, head_dim = q.shape[1:]
+        kv_heads = kv.k.shape[2]
         scratch = plan.scratch
         if "out" not in scratch:
             scratch["out"] = torch.empty(max(plan.num_slots, 1), num_heads, head_dim, dtype=torch.float32,
@@ -174,15 +185,25 @@ class TritonAttention:
                 q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos, plan.block_ids,
                 q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
                 partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
-                NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
+                NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
                 BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
                 num_warps=warps, num_stages=stages,
             )
+
+    def merge(self, plan: TritonPlan, q: torch.Tensor) -> torch.Tensor:
+        """[T, heads, head_dim] in q's dtype: each token's partials (write_partials) combined."""
+        import triton
+
+        from .triton_kernels import merge_partials_kernel
+
+        tokens, num_heads, head_dim = q.shape
+        partial, lse = plan.scratch["out"], plan.scratch["lse"]
         out = torch.empty_like(q)
-        merge_partials_kernel[(tokens,)](
+        block_h = min(MERGE_BLOCK_H, triton_next_pow2(num_heads))
+        merge_partials_kernel[(tokens, triton.cdiv(num_heads, block_h))](
             partial, lse, plan.slot_indptr, plan.slots, out,
             partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, BLOCK_H=triton_next_pow2(num_heads), HEAD_DIM=head_dim, num_warps=4,
+            NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S, num_warps=4,
         )
         return out
 

@@ -102,28 +102,36 @@ def segment_attention_kernel(
 def merge_partials_kernel(
     OUT_P, LSE_P, SLOT_INDPTR, SLOTS, OUT,
     stride_ps, stride_ph, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """out[row] = the softmax-weighted combination of the row's partial outputs (0 for padding rows)."""
+    """out[row, heads] = the softmax-weighted combination of the row's partial outputs (0 for padding rows).
+
+    One program per (row, BLOCK_H heads); it reads BLOCK_S of the row's slots per iteration, so a row with
+    many partials (a long prefix cut into chunks) costs a few wide loads instead of one dependent load each.
+    """
     row = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     first = tl.load(SLOT_INDPTR + row)
     last = tl.load(SLOT_INDPTR + row + 1)
-    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
     h_valid = h < NUM_HEADS
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for i in range(first, last):
-        slot = tl.load(SLOTS + i).to(tl.int64)
-        lse = tl.load(LSE_P + slot * NUM_HEADS + h, mask=h_valid, other=float("-inf"))
-        part = tl.load(OUT_P + slot * stride_ps + h[:, None] * stride_ph + d[None, :], mask=h_valid[:, None], other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    for s0 in range(first, last, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = s < last
+        slot = tl.load(SLOTS + s, mask=s_valid, other=0).to(tl.int64)
+        sh_valid = s_valid[:, None] & h_valid[None, :]
+        lse = tl.load(LSE_P + slot[:, None] * NUM_HEADS + h[None, :], mask=sh_valid, other=float("-inf"))
+        part = tl.load(OUT_P + slot[:, None, None] * stride_ps + h[None, :, None] * stride_ph + d[None, None, :],
+                       mask=sh_valid[:, :, None], other=0.0)  # [BLOCK_S, BLOCK_H, D]
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads with nothing visible yet
         alpha = tl.math.exp2(m_i - m_safe)
-        beta = tl.math.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + part * beta[:, None]
-        l_i = l_i * alpha + beta
+        weight = tl.math.exp2(lse - m_safe[None, :])  # [BLOCK_S, BLOCK_H]; 0 for masked slots
+        acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
+        l_i = l_i * alpha + tl.sum(weight, 0)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + row * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),

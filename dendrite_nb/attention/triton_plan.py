@@ -96,22 +96,26 @@ class HostPlan:
 
 
 def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, ...] | list[int]]],
-                    slot_mapping: list[int], block_size: int, group: int, narrow: int, wide: int,
-                    chunk_for: Callable[[int, int], int]) -> HostPlan:
+                    slot_mapping: list[int], block_size: int, group: int, widths: tuple[int, ...],
+                    chunk_for: Callable[[int], int]) -> HostPlan:
     """runs: (query tokens, their positions, kv start, kv end, blocks from start // block_size) per KV run.
-    Runs read by more rows than a narrow tile holds use wide tiles; each tile's run is cut into chunks of
-    chunk_for(run length, tiles) positions."""
-    items: dict[int, list[tuple[int, ...]]] = {narrow: [], wide: []}
+    widths: tile widths (query vectors), ascending. A run takes the narrowest tile that holds all its rows x
+    group heads, or tiles of the widest. Every tile's run is cut into chunks of chunk_for(work) positions,
+    work being the whole plan's tile-positions (sum over runs of tiles x run length): one chunk size for
+    the plan, so long runs split and short ones stay whole."""
+    tiled = []
+    for tokens, positions, start, end, blocks in runs:
+        block_m = next((width for width in widths if len(tokens) * group <= width), widths[-1])
+        tiled.append((block_m, block_m // group, tokens, positions, start, end, blocks))
+    chunk = chunk_for(sum(-(-len(run[2]) // run[1]) * (run[5] - run[4]) for run in tiled))
+    items: dict[int, list[tuple[int, ...]]] = {width: [] for width in widths}
     entry_rows: list[int] = []
     entry_pos: list[int] = []
     block_ids: list[int] = []
     num_slots = 0
-    for tokens, positions, start, end, blocks in runs:
-        block_m = narrow if len(tokens) * group <= narrow else wide
-        per_tile = block_m // group
+    for block_m, per_tile, tokens, positions, start, end, blocks in tiled:
         block_off = len(block_ids) - start // block_size
         block_ids.extend(blocks)
-        chunk = chunk_for(end - start, -(-len(tokens) // per_tile))
         for first in range(0, len(tokens), per_tile):
             tile = tokens[first: first + per_tile]
             tile_pos = positions[first: first + per_tile]

@@ -1,0 +1,206 @@
+"""Where a decode step's time goes, for the cases of decode_step.py: host phases, GPU kernels, idle GPU.
+
+For each case (triton attention, CUDA graphs as the engine defaults them):
+  1. step time: a step inside one generate(leaves, --steps) call, and one generate(leaves, 1) call;
+  2. host phases: inclusive wall time per step of the engine's functions on the decode path (wrapped with
+     timers for one generate call); "wait for GPU" is the time the host blocks reading the sampled tokens;
+  3. GPU: torch.profiler kernels over one generate call: device time per step by kernel, busy vs wall;
+  4. attention alone: one layer's write_partials and merge, for chunking and tile variants.
+
+    python benchmarks/profile_step.py [--cases a b] [--steps 16] [--smoke]
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import statistics
+import time
+
+import torch
+
+import dendrite_nb.engine as engine_module
+from bench_common import build_model, engine_variant, free_memory, kernel_seconds, log, parser, random_ids
+from bench_common import setup as make_setup
+from decode_step import CASES, GREEDY, SMOKE_CASES, num_blocks
+from dendrite_nb.attention.triton_backend import TritonAttention
+from dendrite_nb.attention.triton_plan import HostPlan
+from dendrite_nb.cuda_graphs import DecodeGraphs
+from dendrite_nb.forward import ForwardRunner
+from dendrite_nb.kv.cascade import SegmentCache, decode_layout
+from dendrite_nb.kv.tree import BranchTree
+
+# (owner, attribute, label): the host functions timed per step.
+HOST_PHASES = [
+    (engine_module.Engine, "_logits", "LM head launch"),
+    (engine_module.Engine, "_prepare_decode", "prepare step (token-free)"),
+    (BranchTree, "append", "  tree.append"),
+    (BranchTree, "block_table", "  block tables"),
+    (SegmentCache, "segments", "  segments"),
+    (DecodeGraphs, "prepare", "  graphs.prepare"),
+    (TritonAttention, "host_plan", "    host_plan"),
+    (HostPlan, "pack", "    pack"),
+    (engine_module, "sample", "sample (launch)"),
+    (ForwardRunner, "read_back", "read_back"),
+    (engine_module.Engine, "_finish_decode", "finish step (forward launch)"),
+    (DecodeGraphs, "launch", "  graphs.launch"),
+    (torch.cuda.CUDAGraph, "replay", "    graph.replay"),
+    (engine_module.Engine, "_emit", "_emit (listeners)"),
+]
+# Attention variants: (label, TritonAttention keyword arguments).
+ATTENTION_VARIANTS = [
+    ("default", {}),
+    ("programs/SM 1", {"programs_per_sm": 1}),
+    ("programs/SM 4", {"programs_per_sm": 4}),
+    ("min chunk 256", {"min_chunk_tokens": 256}),
+    ("min chunk 1024", {"min_chunk_tokens": 1024}),
+    ("tiles 128 only", {"tile_widths": (128,)}),
+    ("wide 8 warps", {"wide_launch": (8, 3)}),
+    ("wide 4 stages", {"wide_launch": (4, 4)}),
+]
+WAIT = "wait for GPU (tokens)"
+
+
+class HostTimers:
+    """Wraps HOST_PHASES with inclusive wall-clock timers while active; WAIT is the host blocked on the tokens."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: collections.Counter = collections.Counter()
+
+    def __enter__(self):
+        self._saved = []
+        for owner, name, label in HOST_PHASES:
+            original = getattr(owner, name)
+            self._saved.append((owner, name, original))
+            setattr(owner, name, self._timed(original, label))
+        return self
+
+    def _timed(self, original, label: str):
+        seconds = self.seconds
+        reads_back = label == "read_back"   # returns the function that waits for the tokens: time that wait
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            seconds[label] += time.perf_counter() - started
+            if reads_back:
+                return self._timed(result, WAIT)
+            return result
+        return timed
+
+    def __exit__(self, *exc):
+        for owner, name, original in self._saved:
+            setattr(owner, name, original)
+
+
+def gpu_kernels(engine, leaves, steps: int, device: torch.device) -> tuple[list[tuple[str, float, int]], float, float]:
+    """(name, device ms per step, launches per step) by kernel, busy ms per step, wall ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        engine.generate(leaves, steps, GREEDY)
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - started
+    kernels = collections.defaultdict(lambda: [0.0, 0])
+    busy = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            entry = kernels[event.name[:70]]
+            entry[0] += event.device_time_total
+            entry[1] += 1
+            busy.append((event.time_range.start, event.time_range.end))
+    busy.sort()
+    covered, end = 0.0, float("-inf")   # union of kernel intervals (us)
+    for start, stop in busy:
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    rows = sorted(((name, us / 1e3 / steps, count // steps) for name, (us, count) in kernels.items()),
+                  key=lambda row: -row[1])
+    return rows, covered / 1e3 / steps, wall * 1e3 / steps
+
+
+def attention_parts(engine, leaves, device: torch.device) -> None:
+    config = engine.model.config
+    kv = engine.pool.layers()[0]
+    layout = decode_layout(engine.branch_tree, leaves)
+    q = torch.randn(len(leaves), config.num_heads, config.head_dim, device=device, dtype=engine.pool.kv.dtype)
+    log(f"  {'variant':>16} {'partials us':>11} {'merge us':>8} {'attend us':>9} {'slots':>6} {'items':>14}")
+    for label, options in ATTENTION_VARIANTS:
+        backend = TritonAttention(**options)
+        backend.configure(config.num_heads, config.num_kv_heads)
+        plan = backend.plan(layout, engine.pool.block_size, device)
+        backend.write_partials(plan, q, kv)
+        partials = kernel_seconds(functools.partial(backend.write_partials, plan, q, kv), device)
+        merge = kernel_seconds(functools.partial(backend.merge, plan, q), device)
+        attend = kernel_seconds(functools.partial(backend.attend, plan, q, kv), device)
+        items = "+".join(f"{launch.items.shape[0]}x{launch.block_m}" for launch in plan.launches)
+        log(f"  {label:>16} {partials * 1e6:11.1f} {merge * 1e6:8.1f} {attend * 1e6:9.1f} {plan.num_slots:6d} "
+            f"{items:>14}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    arguments = parser(__doc__)
+    arguments.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES))
+    arguments.add_argument("--steps", type=int, default=16)
+    args = arguments.parse_args(argv)
+    setup = make_setup(args)
+    if setup.device.type != "cuda":
+        raise SystemExit("profile_step.py profiles CUDA kernels and graphs: run it on a GPU.")
+    for key in args.cases:
+        case = (SMOKE_CASES if setup.smoke else CASES)[key]
+        model = build_model(setup, setup.hf_config(case.shape))
+        vocab = model.config.vocab_size
+        engine, reason = engine_variant(model, setup, "triton", None, block_size=16,
+                                        num_blocks=num_blocks(case, 8 * args.steps + 16))
+        if engine is None:
+            raise SystemExit(f"the triton engine cannot run here: {reason}")
+        root = engine.new_branch("prefix", random_ids(case.prefix, vocab, seed=1))
+        leaves = [root]
+        if case.leaves > 1:
+            leaves = engine.fork(root, case.leaves)
+            engine.append_many(zip(leaves, random_ids(case.own, vocab, seed=2, rows=case.leaves)))
+        log(f"\n({key}) {case.shape}, {case.describe()}")
+        engine.generate(leaves, 4, GREEDY)   # compiles and captures
+        in_call = []
+        for _ in range(3):
+            torch.cuda.synchronize(setup.device)
+            started = time.perf_counter()
+            engine.generate(leaves, args.steps, GREEDY)
+            torch.cuda.synchronize(setup.device)
+            in_call.append((time.perf_counter() - started) / args.steps)
+        single = []
+        for _ in range(10):
+            torch.cuda.synchronize(setup.device)
+            started = time.perf_counter()
+            engine.generate(leaves, 1, GREEDY)
+            torch.cuda.synchronize(setup.device)
+            single.append(time.perf_counter() - started)
+        log(f"  step inside generate(leaves, {args.steps}): {statistics.median(in_call) * 1e3:.3f} ms; "
+            f"one generate(leaves, 1) call: {statistics.median(single) * 1e3:.3f} ms")
+
+        with HostTimers(setup.device) as timers:
+            torch.cuda.synchronize(setup.device)
+            started = time.perf_counter()
+            engine.generate(leaves, args.steps, GREEDY)
+            wall = time.perf_counter() - started
+        log(f"  host phases per step (inclusive; wall {wall * 1e3 / args.steps:.3f} ms/step with timers):")
+        for _, _, label in HOST_PHASES + [(None, None, WAIT)]:
+            log(f"    {label:<32} {timers.seconds[label] * 1e3 / args.steps:8.3f} ms")
+
+        rows, busy_ms, wall_ms = gpu_kernels(engine, leaves, args.steps, setup.device)
+        log(f"  GPU: busy {busy_ms:.3f} ms of {wall_ms:.3f} ms wall per step (profiled; idle "
+            f"{wall_ms - busy_ms:.3f} ms)")
+        for name, ms, count in rows[:14]:
+            log(f"    {ms:8.3f} ms  x{count:<4} {name}")
+        log("  attention alone, one layer:")
+        attention_parts(engine, leaves, setup.device)
+        del engine, model
+        free_memory(setup.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""One model forward over runs of tokens just appended to the branch tree, in two halves.
+
+plan() needs only where each run lies (its node, its length): the block tables, the KV segments, the
+copy-on-write copies and the attention plan, staged into a CUDA graph's buffer where a graph replays the
+step. run() needs the token ids and launches the forward. A decode step plans while the GPU still runs
+the previous step, and runs as soon as its tokens are sampled: the host's bookkeeping then hides behind
+the GPU instead of leaving it idle between steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .attention import BatchLayout
+from .kv import AppendRecord, BranchTree, KVPool
+from .kv.cascade import SegmentCache
+
+
+@dataclass(slots=True)
+class PlannedForward:
+    records: list[AppendRecord]
+    layout: BatchLayout
+    staged: Any = None  # a graph step staged by DecodeGraphs.prepare, or None for an eager forward
+    plan: Any = None  # the backend's plan of an eager forward
+    positions: torch.Tensor | None = None  # [T] of an eager forward, on the device
+
+
+class ForwardRunner:
+    def __init__(self, model: torch.nn.Module, backend: Any, pool: KVPool, kv_layers: list, graphs: Any,
+                 device: torch.device):
+        self.model, self.backend, self.pool, self.kv_layers = model, backend, pool, kv_layers
+        self.graphs, self.device = graphs, device
+        self.segments = SegmentCache()
+        # The last forward's hidden states [T, hidden] and their row views (what nodes hold as last_hidden):
+        # the next step's LM head reads the tensor as it is when it asks for exactly those rows, in order.
+        self.last_hidden: torch.Tensor | None = None
+        self.last_rows: list[torch.Tensor] = []
+        self._pinned: torch.Tensor | None = None  # host landing place of sampled tokens (read_back)
+        self._copied: torch.cuda.Event | None = None
+
+    def plan(self, tree: BranchTree, records: list[AppendRecord], q_lens: list[int]) -> PlannedForward:
+        """Everything of the forward but the token ids. Launches the copy-on-write block copies."""
+        tables = [tree.block_table(record.node) for record in records]
+        segments = None
+        if self.backend.reads_segments and all(q == 1 for q in q_lens):  # a decode step: read shared nodes once
+            segments = self.segments.segments(tree, [record.node for record in records], tables)
+        layout = BatchLayout(q_lens=q_lens, kv_lens=[record.node.end for record in records], block_tables=tables,
+                             segments=segments)
+        for record in records:
+            if record.cow is not None:
+                self.pool.copy_block(*record.cow)
+        planned = PlannedForward(records, layout)
+        if self.graphs is not None and self.graphs.fits(layout):
+            planned.staged = self.graphs.prepare(layout)
+        else:
+            planned.plan = self.backend.plan(layout, self.pool.block_size, self.device)
+            planned.positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
+        return planned
+
+    def run(self, planned: PlannedForward, token_ids: list[int] | torch.Tensor) -> None:
+        """Write the tokens' KV and set each run's node.last_hidden (the final hidden state of its last token).
+        token_ids: a list, or a [T] tensor already on the device (a decode step's sampled tokens)."""
+        layout = planned.layout
+        if not isinstance(token_ids, torch.Tensor):
+            token_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        if planned.staged is not None:
+            hidden = self.graphs.launch(planned.staged, token_ids)  # [T, hidden]
+        else:
+            hidden = self.model(token_ids, planned.positions, self.kv_layers, self.backend, planned.plan)
+        if not layout.is_decode:  # keep each sequence's last token (a host-built index: no device sync)
+            hidden = hidden[torch.tensor(layout.q_lens).cumsum(0).sub_(1).to(self.device, non_blocking=True)]
+        rows = list(hidden)
+        for record, row in zip(planned.records, rows):
+            record.node.last_hidden = row
+        self.last_hidden, self.last_rows = hidden, rows
+
+    def read_back(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
+        """Start copying `tokens` (on the device) to the host; the returned function waits for that copy
+        alone, so work queued after this call (the step's forward) keeps running while the host reads."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist
+        if self._pinned is None or len(self._pinned) < len(tokens):
+            self._pinned = torch.empty(max(len(tokens), 256), dtype=torch.long, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        host = self._pinned[: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        self._copied.record()
+        copied = self._copied
+
+        def wait() -> list[int]:
+            copied.synchronize()
+            return host.tolist()
+        return wait
+
+    def hidden_of(self, nodes: list) -> torch.Tensor:
+        """[B, hidden]: each node's last_hidden, stacked; or the last forward's output itself when these
+        nodes' states are its rows, in order (the usual decode step: no gather)."""
+        rows = self.last_rows
+        if len(nodes) == len(rows) and all(node.last_hidden is row for node, row in zip(nodes, rows)):
+            return self.last_hidden
+        return torch.stack([node.last_hidden for node in nodes])
