@@ -49,13 +49,17 @@ HOST_PHASES = [
 # Attention variants: (label, TritonAttention keyword arguments).
 ATTENTION_VARIANTS = [
     ("default", {}),
-    ("programs/SM 1", {"programs_per_sm": 1}),
     ("programs/SM 4", {"programs_per_sm": 4}),
     ("min chunk 256", {"min_chunk_tokens": 256}),
-    ("min chunk 1024", {"min_chunk_tokens": 1024}),
-    ("tiles 128 only", {"tile_widths": (128,)}),
     ("wide 8 warps", {"wide_launch": (8, 3)}),
-    ("wide 4 stages", {"wide_launch": (4, 4)}),
+    ("wide block_n 128", {"wide_block_n": 128}),
+    ("wide 8w, n 128", {"wide_launch": (8, 3), "wide_block_n": 128}),
+    ("wide 8w 2 stages", {"wide_launch": (8, 2)}),
+    ("narrow 2 warps", {"narrow_launch": (2, 2)}),
+    ("narrow 3 stages", {"narrow_launch": (4, 3)}),
+    ("merge 8h x 4s", {"merge_block": (8, 4)}),
+    ("merge 2h x 16s", {"merge_block": (2, 16)}),
+    ("merge 1h x 16s", {"merge_block": (1, 16)}),
 ]
 WAIT = "wait for GPU (tokens)"
 

@@ -98,3 +98,29 @@ def test_with_no_host_memory_to_spare_preempted_leaves_are_recomputed(engines, t
         assert eng.generate(parked, 4, SAMPLED) == expected
         assert (eng.next_logits(parked) - roomy.next_logits(parked)).abs().max() < 1e-3
         eng.audit()
+
+
+@pytest.mark.gpu
+def test_preemption_on_cuda_with_graphs_swaps_through_pinned_host_memory(checkpoint):
+    """The CUDA path: Triton attention, CUDA graphs, KV copied to pinned host memory and back."""
+    import torch
+
+    tight = Engine.from_pretrained(checkpoint(), device="cuda", num_blocks=POOL, block_size=4, debug=True)
+    roomy = Engine.from_pretrained(checkpoint(), device="cuda", num_blocks=1024, block_size=4)
+    names = kids_with_priorities(tight)
+    kids_with_priorities(roomy)
+    expected = roomy.generate(names, STEPS, SAMPLED)
+    swapped = []
+
+    def record(event):
+        swapped.extend(n.swapped[0] for n in tight.branch_tree.nodes()
+                       if n.swapped_blocks and isinstance(n.swapped, tuple))
+
+    with tight.subscribe(record):
+        assert tight.generate(names, STEPS, SAMPLED) == expected
+    assert swapped and all(kv.device.type == "cpu" and kv.is_pinned() for kv in swapped)
+    assert tight._graphs is not None and tight._graphs.captures >= 1
+    low = sorted(names, key=lambda n: tight.branch(n).priority)[:3]
+    assert tight.generate(low, 4, SAMPLED) == roomy.generate(low, 4, SAMPLED)
+    assert torch.allclose(tight.next_logits(low), roomy.next_logits(low), atol=1e-4)
+    tight.audit()

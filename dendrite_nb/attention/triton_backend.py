@@ -25,11 +25,15 @@ INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small 
 # narrowest tile that holds all its rows (a mid-level node of 16 rows x 4 heads fills a 64-wide tile, not
 # half of a 128-wide one), or as many of the widest as it needs.
 TILE_WIDTHS = (64, 128)
-WIDE_LAUNCH = (4, 3)  # num_warps, num_stages of wide tiles
+WIDE_LAUNCH = (4, 3)  # num_warps, num_stages of wide tiles (8 warps: 8% slower on tree_attention (i), 8% faster on decode_step (a))
+NARROW_LAUNCH = (4, 2)  # num_warps, num_stages of 16-wide tiles (a few rows, or one row's heads)
 MIN_CHUNK_TOKENS = 64  # a long run is split into chunks of at least this many positions for parallelism
 PROGRAMS_PER_SM = 2  # chunks are cut until the plan's items x KV heads fill the GPU about this many times
-MERGE_BLOCK_H = 4  # query heads per merge program: rows x heads / 4 programs keep the GPU busy
-MERGE_BLOCK_S = 8  # partial slots a merge program reads per iteration
+# The merge: one program per (row, query head), reading 16 partial slots per iteration. Measured on an H200
+# (benchmarks/profile_step.py): 10 us per 8B layer of 64 rows x 9 slots, 2.8 us for one 0.6B row x 10
+# slots; 4 heads x 8 slots per program took 16 and 4.9 us.
+MERGE_BLOCK_H = 1
+MERGE_BLOCK_S = 16
 
 
 def interpreting() -> bool:
@@ -61,9 +65,12 @@ class TritonAttention:
     reads_segments = True
 
     def __init__(self, tile_widths: tuple[int, ...] = TILE_WIDTHS, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
-                 wide_launch: tuple[int, int] = WIDE_LAUNCH, programs_per_sm: int = PROGRAMS_PER_SM):
+                 wide_launch: tuple[int, int] = WIDE_LAUNCH, narrow_launch: tuple[int, int] = NARROW_LAUNCH,
+                 wide_block_n: int = BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM,
+                 merge_block: tuple[int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S)):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
-        self.wide_launch, self.programs_per_sm = wide_launch, programs_per_sm
+        self.wide_launch, self.narrow_launch, self.wide_block_n = wide_launch, narrow_launch, wide_block_n
+        self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
 
@@ -178,9 +185,10 @@ class TritonAttention:
         ks = kv.k_scale if fp8 else partial  # any tensor: never read without FP8
         vs = kv.v_scale if fp8 else partial
         stride_sb, stride_st = (ks.stride(0), ks.stride(1)) if fp8 else (0, 0)
-        block_n = INTERPRET_BLOCK_N if interpreting() else BLOCK_N
         for launch in plan.launches:
-            warps, stages = self.wide_launch if launch.block_m > 16 else (4, 2)
+            wide = launch.block_m > 16
+            warps, stages = self.wide_launch if wide else self.narrow_launch
+            block_n = INTERPRET_BLOCK_N if interpreting() else (self.wide_block_n if wide else BLOCK_N)
             segment_attention_kernel[(launch.items.shape[0], kv_heads)](
                 q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos, plan.block_ids,
                 q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
@@ -199,11 +207,12 @@ class TritonAttention:
         tokens, num_heads, head_dim = q.shape
         partial, lse = plan.scratch["out"], plan.scratch["lse"]
         out = torch.empty_like(q)
-        block_h = min(MERGE_BLOCK_H, triton_next_pow2(num_heads))
+        block_h, block_s = self.merge_block
+        block_h = min(block_h, triton_next_pow2(num_heads))
         merge_partials_kernel[(tokens, triton.cdiv(num_heads, block_h))](
             partial, lse, plan.slot_indptr, plan.slots, out,
             partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S, num_warps=4,
+            NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_S=block_s, num_warps=4,
         )
         return out
 

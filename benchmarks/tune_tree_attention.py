@@ -1,0 +1,62 @@
+"""Sweep the Triton attention's tiling settings over tree_attention.py's scenarios (tree layout, one layer).
+
+Each variant is a TritonAttention built with the given keyword arguments; every variant plans the same
+layout and attends with the same q, timed as tree_attention.py times it (CUDA-graph replays, L2 flushed).
+FlashInfer is not run here: tree_attention.py measures it beside the defaults.
+
+    python benchmarks/tune_tree_attention.py
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from bench_common import build_model, engine_variant, kernel_seconds, log, parser, setup as make_setup
+from dendrite_nb.attention.triton_backend import TritonAttention
+from dendrite_nb.kv.cascade import decode_layout
+from tree_attention import BLOCK_SIZE, SCENARIOS, build_tree
+
+VARIANTS = [
+    ("default", {}),
+    ("programs/SM 1", {"programs_per_sm": 1}),
+    ("programs/SM 3", {"programs_per_sm": 3}),
+    ("programs/SM 4", {"programs_per_sm": 4}),
+    ("programs/SM 6", {"programs_per_sm": 6}),
+    ("tiles 128 only", {"tile_widths": (128,)}),
+    ("tiles 32/64/128", {"tile_widths": (32, 64, 128)}),
+    ("wide 4 warps", {"wide_launch": (4, 3)}),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    setup = make_setup(args)
+    hf_config = setup.hf_config("llama-3.1-8b", num_hidden_layers=1, vocab_size=1024)
+    model = build_model(setup, hf_config)
+    config = model.config
+    engine, reason = engine_variant(model, setup, "torch", None, block_size=BLOCK_SIZE,
+                                    num_blocks=sum(s.num_blocks() for s in SCENARIOS) + 16)
+    if engine is None:
+        raise SystemExit(reason)
+    kv = engine.pool.layers()[0]
+    log(f"{'variant':>16} " + " ".join(f"{'(' + s.key + ') us':>10}" for s in SCENARIOS))
+    layouts = []
+    for index, scenario in enumerate(SCENARIOS):
+        leaves = build_tree(engine, scenario, config.vocab_size)
+        generator = torch.Generator().manual_seed(index)
+        q = torch.randn(len(leaves), config.num_heads, config.head_dim, generator=generator).to(setup.device,
+                                                                                               setup.dtype)
+        layouts.append((decode_layout(engine.branch_tree, leaves), q))
+    for label, options in VARIANTS:
+        backend = TritonAttention(**options)
+        backend.configure(config.num_heads, config.num_kv_heads)
+        times = []
+        for layout, q in layouts:
+            plan = backend.plan(layout, BLOCK_SIZE, setup.device)
+            times.append(kernel_seconds(functools.partial(backend.attend, plan, q, kv), setup.device))
+        log(f"{label:>16} " + " ".join(f"{t * 1e6:10.1f}" for t in times))
+
+
+if __name__ == "__main__":
+    main()
