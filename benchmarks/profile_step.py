@@ -49,12 +49,17 @@ HOST_PHASES = [
 # Attention variants: (label, TritonAttention keyword arguments).
 ATTENTION_VARIANTS = [
     ("default", {}),
-    ("no tails", {"tail_max_tokens": 0}),
-    ("tails <= 128", {"tail_max_tokens": 128}),
-    ("tails <= 1024", {"tail_max_tokens": 1024}),
-    ("wide 8 warps", {"wide_launch": (8, 3)}),
     ("programs/SM 4", {"programs_per_sm": 4}),
-    ("merge 4h x 16s", {"merge_block": (4, 16)}),
+    ("min chunk 256", {"min_chunk_tokens": 256}),
+    ("wide 8 warps", {"wide_launch": (8, 3)}),
+    ("wide block_n 128", {"wide_block_n": 128}),
+    ("wide 8w, n 128", {"wide_launch": (8, 3), "wide_block_n": 128}),
+    ("wide 8w 2 stages", {"wide_launch": (8, 2)}),
+    ("narrow 2 warps", {"narrow_launch": (2, 2)}),
+    ("narrow 3 stages", {"narrow_launch": (4, 3)}),
+    ("merge 8h x 4s", {"merge_block": (8, 4)}),
+    ("merge 2h x 16s", {"merge_block": (2, 16)}),
+    ("merge 1h x 16s", {"merge_block": (1, 16)}),
 ]
 WAIT = "wait for GPU (tokens)"
 
@@ -134,7 +139,7 @@ def attention_parts(engine, leaves, device: torch.device) -> None:
         plan = backend.plan(layout, engine.pool.block_size, device)
         backend.write_partials(plan, q, kv)
         partials = kernel_seconds(functools.partial(backend.write_partials, plan, q, kv), device)
-        merge = kernel_seconds(functools.partial(backend.merge, plan, q, kv), device)
+        merge = kernel_seconds(functools.partial(backend.merge, plan, q), device)
         attend = kernel_seconds(functools.partial(backend.attend, plan, q, kv), device)
         items = "+".join(f"{launch.items.shape[0]}x{launch.block_m}" for launch in plan.launches)
         log(f"  {label:>16} {partials * 1e6:11.1f} {merge * 1e6:8.1f} {attend * 1e6:9.1f} {plan.num_slots:6d} "

@@ -19,12 +19,13 @@ from tree_attention import BLOCK_SIZE, SCENARIOS, build_tree
 
 VARIANTS = [
     ("default", {}),
-    ("no tails", {"tail_max_tokens": 0}),
-    ("tails <= 128", {"tail_max_tokens": 128}),
-    ("tails <= 1024", {"tail_max_tokens": 1024}),
-    ("wide 8 warps", {"wide_launch": (8, 3)}),
+    ("programs/SM 1", {"programs_per_sm": 1}),
+    ("programs/SM 3", {"programs_per_sm": 3}),
     ("programs/SM 4", {"programs_per_sm": 4}),
-    ("merge 4h x 16s", {"merge_block": (4, 16)}),
+    ("programs/SM 6", {"programs_per_sm": 6}),
+    ("tiles 128 only", {"tile_widths": (128,)}),
+    ("tiles 32/64/128", {"tile_widths": (32, 64, 128)}),
+    ("wide 4 warps", {"wide_launch": (4, 3)}),
 ]
 
 

@@ -83,9 +83,8 @@ def test_chain_of_nodes_read_by_the_same_rows_is_one_segment():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied", "llama-mha-tied"])
 @pytest.mark.parametrize("min_shared", [1, 64])
-# (32,): a shared segment spans several tiles; tails 0: every private run is an item, none a merge-kernel tail
-@pytest.mark.parametrize("tile_widths,tail_max", [((64, 128), 256), ((32,), 0)])
-def test_tree_decode_attention_matches_reference(device, shape, min_shared, tile_widths, tail_max):
+@pytest.mark.parametrize("tile_widths", [(64, 128), (32,)])  # (32,): a shared segment spans several tiles
+def test_tree_decode_attention_matches_reference(device, shape, min_shared, tile_widths):
     rng = random.Random(7)
     cfg = TINY_SHAPES[shape].hf_config(vocab_size=256)
     eng = Engine.from_random(cfg, device=device, num_blocks=1024, block_size=4)
@@ -96,17 +95,13 @@ def test_tree_decode_attention_matches_reference(device, shape, min_shared, tile
     tree_layout = decode_layout(eng.branch_tree, leaves, min_shared_tokens=min_shared)
     reference = TorchAttention()
     expected = reference.attend(reference.plan(tree_layout, 4, eng.device), q, kv)
-    triton_backend = TritonAttention(tile_widths=tile_widths, tail_max_tokens=tail_max)
+    triton_backend = TritonAttention(tile_widths=tile_widths)
     triton_backend.configure(heads, eng.config.num_kv_heads)
     group = heads // eng.config.num_kv_heads
     widths = (16,) + tuple(w for w in tile_widths if w > 16)
+    tiles = {next((w for w in widths if len(seg.rows) * group <= w), widths[-1]) for seg in tree_layout.segments}
     host = triton_backend.host_plan(tree_layout, 4, eng.device)
-    tails = {row for row, (start, end, _) in enumerate(host.tails) if end > start}
-    assert bool(tails) == (tail_max > 0)  # every leaf's last private run is short here
-    items = [seg for seg in tree_layout.segments if len(seg.rows) > 1 or seg.end - seg.start > tail_max
-             or seg.rows[0] not in tails]
-    tiles = {next((w for w in widths if len(seg.rows) * group <= w), widths[-1]) for seg in items}
-    assert {block_m for block_m, count in host.shape().items if count} <= tiles
+    assert {block_m for block_m, count in host.shape().items if count} == tiles
     for layout in (tree_layout, decode_layout(eng.branch_tree, leaves, shared=False)):
         got = triton_backend.attend(triton_backend.plan(layout, 4, eng.device), q, kv)
         assert (got - expected).abs().max() < 1e-5

@@ -34,10 +34,6 @@ PROGRAMS_PER_SM = 2  # chunks are cut until the plan's items x KV heads fill the
 # slots; 4 heads x 8 slots per program took 16 and 4.9 us.
 MERGE_BLOCK_H = 1
 MERGE_BLOCK_S = 16
-# A row's own short run (a leaf's private tokens under a shared prefix, or a short context read flat) is
-# attended by the merge kernel itself instead of a 16-wide tile in which its one row fills a quarter.
-TAIL_MAX_TOKENS = 256
-TAIL_BLOCK_N = 32  # positions per step of the merge kernel's tail loop
 
 
 def interpreting() -> bool:
@@ -60,7 +56,6 @@ class TritonPlan:
     block_ids: torch.Tensor  # [NB] int32 the blocks the items read
     slot_indptr: torch.Tensor  # [T + 1] int32 CSR: slots of token t are slots[indptr[t]:indptr[t+1]]
     slots: torch.Tensor  # [S] int32
-    tails: torch.Tensor  # [T, 3] int32 each token's tail: start, end, block offset
     host: torch.Tensor | None = None  # the pinned staging buffer; kept alive until its copy has run
     scratch: dict = field(default_factory=dict)  # partial outputs, allocated by the first layer, reused
 
@@ -72,10 +67,10 @@ class TritonAttention:
     def __init__(self, tile_widths: tuple[int, ...] = TILE_WIDTHS, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
                  wide_launch: tuple[int, int] = WIDE_LAUNCH, narrow_launch: tuple[int, int] = NARROW_LAUNCH,
                  wide_block_n: int = BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM,
-                 merge_block: tuple[int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S), tail_max_tokens: int = TAIL_MAX_TOKENS):
+                 merge_block: tuple[int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S)):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
         self.wide_launch, self.narrow_launch, self.wide_block_n = wide_launch, narrow_launch, wide_block_n
-        self.programs_per_sm, self.merge_block, self.tail_max_tokens = programs_per_sm, merge_block, tail_max_tokens
+        self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
 
@@ -117,8 +112,7 @@ class TritonAttention:
                     for block_m, count in shape.items if count]
         return TritonPlan(num_slots=shape.slots, slot_mapping=views["mapping"],
                           launches=launches, entry_rows=views["rows"], entry_pos=views["pos"],
-                          block_ids=views["blocks"], slot_indptr=views["indptr"], slots=views["slots"],
-                          tails=views["tails"].view(-1, 3), host=host)
+                          block_ids=views["blocks"], slot_indptr=views["indptr"], slots=views["slots"], host=host)
 
     def host_plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> HostPlan:
         """Work items and index arrays for `layout`, on the host (no device work)."""
@@ -128,8 +122,7 @@ class TritonAttention:
                         for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
                         for p in range(kv - q, kv)]
         widths = (narrow,) + tuple(w for w in self.tile_widths if w > narrow)
-        return build_host_plan(runs, slot_mapping, block_size, self.group, widths, self._chunker(device),
-                               self.tail_max_tokens)
+        return build_host_plan(runs, slot_mapping, block_size, self.group, widths, self._chunker(device))
 
     @staticmethod
     def _runs(layout: BatchLayout):
@@ -174,7 +167,7 @@ class TritonAttention:
             raise RuntimeError(f"the plan was made for {self.group} query heads per KV head, the model has "
                                f"{group}; call configure(num_heads, num_kv_heads) before planning.")
         self.write_partials(plan, q, kv)
-        return self.merge(plan, q, kv)
+        return self.merge(plan, q)
 
     def write_partials(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> None:
         """Every item's partial outputs and log-sum-exps into the plan's scratch (one launch per tile width)."""
@@ -182,8 +175,16 @@ class TritonAttention:
 
         num_heads, head_dim = q.shape[1:]
         kv_heads = kv.k.shape[2]
-        partial, lse = self._scratch(plan, q)
-        ks, vs, stride_sb, stride_st = _scales(kv, partial)
+        scratch = plan.scratch
+        if "out" not in scratch:
+            scratch["out"] = torch.empty(max(plan.num_slots, 1), num_heads, head_dim, dtype=torch.float32,
+                                         device=q.device)
+            scratch["lse"] = torch.empty(max(plan.num_slots, 1), num_heads, dtype=torch.float32, device=q.device)
+        partial, lse = scratch["out"], scratch["lse"]
+        fp8 = kv.k_scale is not None
+        ks = kv.k_scale if fp8 else partial  # any tensor: never read without FP8
+        vs = kv.v_scale if fp8 else partial
+        stride_sb, stride_st = (ks.stride(0), ks.stride(1)) if fp8 else (0, 0)
         for launch in plan.launches:
             wide = launch.block_m > 16
             warps, stages = self.wide_launch if wide else self.narrow_launch
@@ -193,42 +194,27 @@ class TritonAttention:
                 q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
                 partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
                 NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
-                BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=kv.k_scale is not None, IEEE=q.dtype == torch.float32,
+                BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
                 num_warps=warps, num_stages=stages,
             )
 
-    def merge(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        """[T, heads, head_dim] in q's dtype: each token's partials (write_partials) and its tail, combined."""
+    def merge(self, plan: TritonPlan, q: torch.Tensor) -> torch.Tensor:
+        """[T, heads, head_dim] in q's dtype: each token's partials (write_partials) combined."""
         import triton
 
-        from .triton_kernels import LOG2E, merge_partials_kernel
+        from .triton_kernels import merge_partials_kernel
 
         tokens, num_heads, head_dim = q.shape
-        partial, lse = self._scratch(plan, q)
-        ks, vs, stride_sb, stride_st = _scales(kv, partial)
+        partial, lse = plan.scratch["out"], plan.scratch["lse"]
         out = torch.empty_like(q)
         block_h, block_s = self.merge_block
-        if self.group % block_h:  # a program's heads must share one KV head (the tail reads its KV)
-            block_h = 1
+        block_h = min(block_h, triton_next_pow2(num_heads))
         merge_partials_kernel[(tokens, triton.cdiv(num_heads, block_h))](
-            partial, lse, plan.slot_indptr, plan.slots, out, q, kv.k, kv.v, ks, vs, plan.tails, plan.block_ids,
-            partial.stride(0), partial.stride(1), out.stride(0), out.stride(1), q.stride(0), q.stride(1),
-            kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st, head_dim ** -0.5 * LOG2E,
-            NUM_HEADS=num_heads, GROUP=self.group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_S=block_s,
-            BS=kv.k.shape[1], TAIL_BLOCK_N=INTERPRET_BLOCK_N if interpreting() else TAIL_BLOCK_N,
-            FP8=kv.k_scale is not None, num_warps=4,
+            partial, lse, plan.slot_indptr, plan.slots, out,
+            partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_S=block_s, num_warps=4,
         )
         return out
-
-    @staticmethod
-    def _scratch(plan: TritonPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plan's partial outputs [slots, heads, D] and log2-sum-exps [slots, heads], made on first use."""
-        scratch = plan.scratch
-        if "out" not in scratch:
-            slots, (num_heads, head_dim) = max(plan.num_slots, 1), q.shape[1:]
-            scratch["out"] = torch.empty(slots, num_heads, head_dim, dtype=torch.float32, device=q.device)
-            scratch["lse"] = torch.empty(slots, num_heads, dtype=torch.float32, device=q.device)
-        return scratch["out"], scratch["lse"]
 
     def configure(self, num_heads: int, num_kv_heads: int) -> None:
         """Tell the planner the model's head layout (rows per tile depend on the GQA group size)."""
@@ -237,10 +223,3 @@ class TritonAttention:
 
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def _scales(kv: LayerKV, any_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(k scales, v scales, block stride, position stride) of an FP8 cache; without FP8, any tensor (never read)."""
-    if kv.k_scale is None:
-        return any_tensor, any_tensor, 0, 0
-    return kv.k_scale, kv.v_scale, kv.k_scale.stride(0), kv.k_scale.stride(1)

@@ -100,19 +100,14 @@ def segment_attention_kernel(
 
 @triton.jit
 def merge_partials_kernel(
-    OUT_P, LSE_P, SLOT_INDPTR, SLOTS, OUT, Q, K, V, KS, VS, TAILS, BLOCK_IDS,
-    stride_ps, stride_ph, stride_ot, stride_oh, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh, stride_sb, stride_st, qk_scale,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr, BS: tl.constexpr, TAIL_BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+    OUT_P, LSE_P, SLOT_INDPTR, SLOTS, OUT,
+    stride_ps, stride_ph, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """out[row, heads] = the softmax-weighted combination of the row's partial outputs and of its tail (0 for
-    padding rows).
+    """out[row, heads] = the softmax-weighted combination of the row's partial outputs (0 for padding rows).
 
-    One program per (row, BLOCK_H heads of one KV head); it reads BLOCK_S of the row's slots per iteration.
-    The tail is a short run of the row's own context [start, end) that no item read: the program attends
-    over it directly (a vector q against TAIL_BLOCK_N positions at a time, in float32), so a leaf's few
-    private tokens cost no program, partial slot or tile of their own. TAILS row: start, end, block offset.
+    One program per (row, BLOCK_H heads); it reads BLOCK_S of the row's slots per iteration, so a row with
+    many partials (a long prefix cut into chunks) costs a few wide loads instead of one dependent load each.
     """
     row = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -138,37 +133,6 @@ def merge_partials_kernel(
         acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
         l_i = l_i * alpha + tl.sum(weight, 0)
         m_i = m_new
-    tail_start = tl.load(TAILS + row * 3)
-    tail_end = tl.load(TAILS + row * 3 + 1)
-    if tail_end > tail_start:
-        block_off = tl.load(TAILS + row * 3 + 2)
-        kv_head = (tl.program_id(1) * BLOCK_H) // GROUP  # BLOCK_H divides GROUP: one KV head per program
-        q = tl.load(Q + row * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_valid[:, None],
-                    other=0.0).to(tl.float32)  # [BLOCK_H, D]
-        for start in range(tail_start, tail_end, TAIL_BLOCK_N):
-            pos = start + tl.arange(0, TAIL_BLOCK_N)
-            p_valid = pos < tail_end
-            block = tl.load(BLOCK_IDS + block_off + pos // BS, mask=p_valid, other=0)
-            at = block.to(tl.int64) * stride_kb + (pos % BS) * stride_kt + kv_head * stride_kh
-            k = tl.load(K + at[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
-            v = tl.load(V + at[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
-            if FP8:
-                k = k.to(tl.bfloat16)
-                v = v.to(tl.bfloat16)
-            scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)  # [BLOCK_H, TAIL_BLOCK_N]
-            if FP8:
-                scale_at = block.to(tl.int64) * stride_sb + (pos % BS) * stride_st + kv_head
-                scores = scores * tl.load(KS + scale_at, mask=p_valid, other=0.0)[None, :]
-            scores = tl.where(p_valid[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if FP8:
-                p = p * tl.load(VS + scale_at, mask=p_valid, other=0.0)[None, :]
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-            m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + row * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
              mask=h_valid[:, None])

@@ -29,8 +29,7 @@ class PlanShape:
     def sections(self) -> list[tuple[str, int]]:
         return ([(f"items{block_m}", count * ITEM_COLS) for block_m, count in self.items]
                 + [("rows", self.entries), ("pos", self.entries), ("blocks", self.blocks),
-                   ("indptr", self.tokens + 1), ("slots", self.slots), ("mapping", self.tokens),
-                   ("tails", 3 * self.tokens)])
+                   ("indptr", self.tokens + 1), ("slots", self.slots), ("mapping", self.tokens)])
 
     @property
     def numel(self) -> int:
@@ -63,7 +62,6 @@ class HostPlan:
     slots: np.ndarray  # [S]
     slot_mapping: np.ndarray  # [T] flat cache slot of each new token
     num_slots: int
-    tails: np.ndarray  # [T, 3] each token's tail: start, end, block offset (start == end: none)
 
     @property
     def num_tokens(self) -> int:
@@ -94,35 +92,26 @@ class HostPlan:
         offset += shape.slots
         flat[offset: offset + self.num_tokens] = self.slot_mapping
         flat[offset + self.num_tokens: offset + shape.tokens] = trash_slot
-        offset += shape.tokens
-        flat[offset: offset + self.tails.size] = self.tails.ravel()  # padding tokens: empty tails
         return torch.from_numpy(flat)
 
 
 def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, ...] | list[int]]],
                     slot_mapping: list[int], block_size: int, group: int, widths: tuple[int, ...],
-                    chunk_for: Callable[[int], int], tail_max_tokens: int = 0) -> HostPlan:
+                    chunk_for: Callable[[int], int]) -> HostPlan:
     """runs: (query tokens, their positions, kv start, kv end, blocks from start // block_size) per KV run.
     widths: tile widths (query vectors), ascending. A run takes the narrowest tile that holds all its rows x
     group heads, or tiles of the widest. Every tile's run is cut into chunks of chunk_for(work) positions,
     work being the whole plan's tile-positions (sum over runs of tiles x run length): one chunk size for
-    the plan, so long runs split and short ones stay whole. A token's first run that only it reads, of at
-    most tail_max_tokens positions, becomes its tail instead: the merge kernel attends over it directly."""
-    num_tokens = len(slot_mapping)
-    tails = np.zeros((num_tokens, 3), dtype=np.int32)
-    block_ids: list[int] = []
+    the plan, so long runs split and short ones stay whole."""
     tiled = []
     for tokens, positions, start, end, blocks in runs:
-        if len(tokens) == 1 and 0 < end - start <= tail_max_tokens and tails[tokens[0], 1] == 0:
-            tails[tokens[0]] = (start, end, len(block_ids) - start // block_size)
-            block_ids.extend(blocks)
-            continue
         block_m = next((width for width in widths if len(tokens) * group <= width), widths[-1])
         tiled.append((block_m, block_m // group, tokens, positions, start, end, blocks))
     chunk = chunk_for(sum(-(-len(run[2]) // run[1]) * (run[5] - run[4]) for run in tiled))
     items: dict[int, list[tuple[int, ...]]] = {width: [] for width in widths}
     entry_rows: list[int] = []
     entry_pos: list[int] = []
+    block_ids: list[int] = []
     num_slots = 0
     for block_m, per_tile, tokens, positions, start, end, blocks in tiled:
         block_off = len(block_ids) - start // block_size
@@ -139,9 +128,9 @@ def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, 
                 num_slots += len(tile)
     arrays = {block_m: np.array(rows, dtype=np.int32).reshape(-1, ITEM_COLS) for block_m, rows in items.items()}
     rows_np = np.array(entry_rows, dtype=np.int32)
-    indptr, slots = _slots_by_token(np.concatenate(list(arrays.values())), rows_np, num_tokens)
+    indptr, slots = _slots_by_token(np.concatenate(list(arrays.values())), rows_np, len(slot_mapping))
     return HostPlan(arrays, rows_np, np.array(entry_pos, dtype=np.int32), np.array(block_ids, dtype=np.int32),
-                    indptr, slots, np.array(slot_mapping, dtype=np.int32), num_slots, tails)
+                    indptr, slots, np.array(slot_mapping, dtype=np.int32), num_slots)
 
 
 def _slots_by_token(items: np.ndarray, entry_rows: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
