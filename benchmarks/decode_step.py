@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     hf_steps = args.hf_steps or (2 if setup.smoke else 5)
     report = Report("decode_step", setup)
     report.floors = floors = measure_floors(setup)
-    table = report.table("decode step (median of {} steps; floor = bytes read once / copy bandwidth, or FLOPs / "
-                         "matmul rate if larger)".format(steps),
+    table = report.table("decode step (step: median of {} generate(leaves, {}) calls / {}; 1-step call: median of {}; "
+                         "floor = bytes read once / copy bandwidth, or FLOPs / matmul rate if larger)"
+                         .format(CALLS, steps, steps, steps),
                          [Column("case", "case", label=True), Column("attention", "attention", label=True),
                           Column("graphs", "graphs", label=True), Column("step_ms", "step ms", "{:.3f}"),
                           Column("floor_ms", "floor ms", "{:.3f}"), Column("x_floor", "x floor", "{:.2f}"),

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         trees[backend] = [build_tree(engine, s, config.vocab_size) for s in scenarios]
         log(f"{backend}: trees built in {time.perf_counter() - started:.1f} s")
 
-    table = report.table("attention, one layer, 32q/8kv heads x128 (median of do_bench; floor = max(bytes / copy "
+    table = report.table("attention, one layer, 32q/8kv heads x128 (CUDA-graph replays, L2 flushed; floor = max(bytes / copy "
                          "bandwidth, FLOPs / matmul rate))" if not setup.smoke else "attention, one layer (smoke)",
                          [Column("scenario", "scenario", label=True), Column("method", "method", label=True),
                           Column("us", "attend us", "{:.1f}"), Column("floor_us", "floor us", "{:.1f}"),

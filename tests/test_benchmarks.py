@@ -119,3 +119,20 @@ def test_fanout(run):
         assert row["fork_floor_ms"] < row["reprefill_floor_ms"]   # forking skips the document's prefill
         assert math.isclose(row["ratio"], row["reprefill_ms"] / row["fork_ms"], rel_tol=1e-9)
     assert "SwarmKV" in payload["notes"][0]
+
+
+def test_gpu_diagnostics_name_what_exists(monkeypatch):
+    """profile_step.py and tune_tree_attention.py run on a GPU only; here, every function they time and
+    every attention variant they build must still exist, so a rename breaks this test, not the GPU run."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    pytest.importorskip("triton")
+    profile_step = importlib.import_module("profile_step")
+    tune = importlib.import_module("tune_tree_attention")
+    from dendrite_nb.attention.triton_backend import TritonAttention
+
+    for owner, name, _ in profile_step.HOST_PHASES:
+        assert callable(getattr(owner, name)), f"{owner.__name__}.{name}"
+    for _, options in profile_step.ATTENTION_VARIANTS + tune.VARIANTS:
+        TritonAttention(**options)
+    with pytest.raises(SystemExit, match="GPU"):
+        profile_step.main(["--smoke", "--device", "cpu"])
