@@ -123,6 +123,16 @@ def test_silu_mul_matches_silu_gate_times_up():
     assert rel_err(out, F.silu(gate_up[:, :width]) * gate_up[:, width:]) < FLOAT32_TOL
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_matches_f_linear_with_ragged_edges_and_bias(rows):
+    x, weight, bias = random(rows, 1000), random(300, 1000, seed=1), random(300, seed=2)  # no block divides them
+    assert rel_err(kernels.gemv(x, weight), F.linear(x, weight)) < FLOAT32_TOL
+    assert rel_err(kernels.gemv(x, weight, bias), F.linear(x, weight, bias)) < FLOAT32_TOL
+    assert rel_err(kernels.linear(random(9, 1000), weight), F.linear(random(9, 1000), weight)) < FLOAT32_TOL
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernels.gemv(random(5, 1000), weight)
+
+
 def test_rope_refuses_a_table_of_another_dtype():
     q, k = random(5, 3, 16), random(5, 1, 16, seed=1)
     cos, sin = rope_table(16, 5, dtype=torch.float64)
@@ -229,6 +239,12 @@ def test_kernels_match_reference_on_cuda_at_real_sizes(dtype, tol):
     gate_up = random(tokens, 2 * intermediate, dtype=dtype) * 4
     reference = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
     assert rel_err(kernels.silu_mul(gate_up), reference) < tol
+
+    for out_features, in_features in ((6144, hidden), (hidden, 4096), (2 * intermediate, hidden), (hidden, intermediate)):
+        weight = random(out_features, in_features, dtype=dtype, seed=5)
+        for rows in (1, 4):
+            x = random(rows, in_features, dtype=dtype, seed=6)
+            assert rel_err(kernels.gemv(x, weight), F.linear(x, weight)) < tol
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the decoder's memory-bound steps: RMSNorm (+ residual add), RoPE on q and k, SwiGLU.
+"""Fused Triton kernels for the decoder's memory-bound steps: RMSNorm (+ residual add), RoPE on q and k, SwiGLU,
+and matrix-vector products for decode steps of a few rows.
 
 Each reproduces the rounding of the torch reference in dendrite_nb.model (float32 math, cast to the activation
 dtype wherever the reference casts), so bf16 results match it. Importing this package imports triton. The
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .gemv import gemv, linear
 from .norm import add_rms_norm, rms_norm
 from .rope import rope_qk
 from .swiglu import silu_mul
@@ -27,4 +29,4 @@ def unavailable_reason(device: torch.device) -> str | None:
             f"imported, which is for tests)")
 
 
-__all__ = ["INTERPRETED", "add_rms_norm", "rms_norm", "rope_qk", "silu_mul", "unavailable_reason"]
+__all__ = ["INTERPRETED", "add_rms_norm", "gemv", "linear", "rms_norm", "rope_qk", "silu_mul", "unavailable_reason"]

@@ -5,7 +5,8 @@ tensor names map one to one.
 
 Two paths compute the same thing: `forward` methods are plain torch, the reference and the CPU path;
 `forward_fused` methods (after CausalLM.use_fused_kernels(True)) run one GEMM for q/k/v and one for gate/up,
-and the Triton kernels of dendrite_nb.kernels for the norms, the residual adds, RoPE and SwiGLU.
+and the Triton kernels of dendrite_nb.kernels for the norms, the residual adds, RoPE and SwiGLU, and for the
+projections and LM head of decode steps of at most 4 rows (gemv).
 """
 from __future__ import annotations
 
@@ -83,11 +84,11 @@ class Attention(nn.Module):
             _fuse_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
 
     def forward_fused(self, x, cos, sin, kv, backend, plan) -> torch.Tensor:
-        from ..kernels import rope_qk
+        from ..kernels import linear, rope_qk
 
         heads, kv_heads, head_dim = self.shape
         tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(tokens, heads + 2 * kv_heads, head_dim)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(tokens, heads + 2 * kv_heads, head_dim)
         # Views into qkv, rows strided by the whole qkv width; RoPE rotates q and k where they lie.
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, heads | kv_heads, head_dim]
         qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
@@ -95,7 +96,7 @@ class Attention(nn.Module):
         rope_qk(q, k, cos, sin, out=(q, k), norm_weights=qk_norm, eps=eps)
         backend.append_kv(plan, kv, k, v)
         out = backend.attend(plan, q, kv)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(tokens, heads * head_dim))
+        return linear(out.reshape(tokens, heads * head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -115,10 +116,10 @@ class MLP(nn.Module):
             _fuse_linears(self, "gate_up", [self.gate_proj, self.up_proj])
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels import silu_mul
+        from ..kernels import linear, silu_mul
 
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * intermediate]
-        return self.down_proj(silu_mul(gate_up))
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * intermediate]
+        return linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -216,4 +217,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
+        if self.fused_kernels:
+            from ..kernels import linear
+
+            return linear(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
