@@ -788,9 +788,13 @@ class Engine:
         return block_snapshot(self.branch_tree)
 
     def audit(self) -> None:
-        """Check refcounts, the free list, node invariants and (in debug mode) the canaries."""
+        """Check refcounts, the free list, node invariants, that no step left a pending token behind, and (in
+        debug mode) the canaries."""
         self.branch_tree.audit()
         self.pool.verify_free_blocks()
+        for node in self.branch_tree.nodes():
+            if PENDING_TOKEN in node.tokens:
+                raise AssertionError(f"node {node.id} holds a pending token (a decode step was not finished or undone)")
 
     def __repr__(self) -> str:
         if self.closed:

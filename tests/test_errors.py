@@ -107,6 +107,31 @@ def test_an_interrupted_generate_keeps_completed_steps(populated, monkeypatch):
     engine.audit()
 
 
+def test_a_failure_between_planning_and_launching_a_step_undoes_the_planned_appends(populated, monkeypatch):
+    """A decode step appends a pending token per branch before it samples; if sampling fails, those go."""
+    import dendrite_nb.engine as engine_module
+
+    engine, a, kids, _ = populated
+    engine.generate(kids, 2, SamplingParams(temperature=0.0))
+    lengths = [len(k) for k in kids]
+    real_sample, calls = engine_module.sample, {"n": 0}
+
+    def sample_failing_on_call_2(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("sampler broke")
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "sample", sample_failing_on_call_2)
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        engine.generate(kids, 5, SamplingParams(temperature=0.0))
+    engine.audit()   # among its checks: no node holds a pending token
+    assert [len(k) for k in kids] == [n + 1 for n in lengths]   # step 1 landed; step 2's appends were undone
+    monkeypatch.undo()
+    engine.generate(kids, 1, SamplingParams(temperature=0.0))
+    engine.audit()
+
+
 # ---- checkpoint folders ---------------------------------------------------------------------------
 def copy_checkpoint(src, dst):
     shutil.copytree(src, dst)
