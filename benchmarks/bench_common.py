@@ -124,12 +124,12 @@ def kernel_seconds(fn: Callable[[], Any], device: torch.device, capture: bool = 
     be captured (or capture=False), triton's do_bench (which includes that overhead); on the CPU,
     synchronised calls."""
     if device.type == "cuda":
-        try:
-            if capture:
+        if capture:
+            try:
                 return graph_seconds(fn, device)
-        except RuntimeError as error:   # not capturable (it syncs, or plans inside): time it launch by launch
-            log(f"  (not capturable in a CUDA graph, timed with do_bench: {str(error).splitlines()[0][:100]})")
-            free_memory(device)
+            except RuntimeError as error:   # not capturable (it syncs, or plans inside): time it launch by launch
+                log(f"  (not capturable in a CUDA graph, timed with do_bench: {str(error).splitlines()[0][:100]})")
+                free_memory(device)
         from triton.testing import do_bench
         return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
     return statistics.median(time_calls(fn, device, repeats=10, warmup=2))

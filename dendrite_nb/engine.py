@@ -439,7 +439,7 @@ class Engine:
         rank = {id(node): r for r, node in enumerate(self.branch_tree.nodes())}
         return [rank[id(branch.node)] for branch in branches]
 
-    def _fits(self, resolved: list[Branch], rows: list[int]) -> bool:
+    def _fits(self, resolved: list[Branch], rows: Sequence[int]) -> bool:
         """Whether one decode step of `rows` fits the free blocks. A resident row takes at most one block
         per token, so the per-row count runs only near a full pool or with preempted rows."""
         free = self.num_free_blocks
@@ -720,22 +720,24 @@ class Engine:
                     budget -= take
                 self._forward(chunk)
         except BaseException:
-            for record in reversed(records):
-                self.branch_tree.undo(record)
+            self._undo(records)
             raise
 
     def _forward(self, chunk: list[tuple[AppendRecord, list[int]]]) -> None:
         planned = self._runner.plan(self.branch_tree, [record for record, _ in chunk], [len(t) for _, t in chunk])
         self._run_forward(planned, [t for _, tokens in chunk for t in tokens])
 
-    def _run_forward(self, planned: PlannedForward, token_ids: list[int]) -> None:
+    def _run_forward(self, planned: PlannedForward, token_ids: list[int] | torch.Tensor) -> None:
+        """Every forward, prefill chunk or decode step, runs through here (the one place tests interrupt)."""
         self._runner.run(planned, token_ids)
 
     def _prepare_decode(self, branches: list[Branch]) -> PlannedForward:
         """The token-free half of a decode step: each branch grows by one position (blocks allocated, the
         forward planned and staged), holding PENDING_TOKEN until _finish_decode. Raises before changing
-        anything when the pool cannot hold the step."""
-        self._check_blocks([(b, 1) for b in branches], f"a decode step of {len(branches)} branch(es)")
+        anything when the pool cannot hold the step (generate's scheduling has made room; the count per
+        row runs only near a full pool, as in _fits)."""
+        if not self._fits(branches, range(len(branches))):
+            self._check_blocks([(b, 1) for b in branches], f"a decode step of {len(branches)} branch(es)")
         for branch in branches:
             if branch.node.swapped_blocks:
                 self._resume(branch)
