@@ -57,9 +57,9 @@ ATTENTION_VARIANTS = [
     ("wide 8w 2 stages", {"wide_launch": (8, 2)}),
     ("narrow 2 warps", {"narrow_launch": (2, 2)}),
     ("narrow 3 stages", {"narrow_launch": (4, 3)}),
-    ("merge 8h x 4s", {"merge_block": (8, 4)}),
-    ("merge 2h x 16s", {"merge_block": (2, 16)}),
-    ("merge 1h x 16s", {"merge_block": (1, 16)}),
+    ("merge 8h x 4s", {"merge_block": (8, 4, 4)}),
+    ("merge 2h x 16s", {"merge_block": (2, 16, 4)}),
+    ("merge 1h x 8s x 2 warps", {"merge_block": (1, 8, 2)}),
 ]
 WAIT = "wait for GPU (tokens)"
 

@@ -191,6 +191,34 @@ def test_a_plan_padded_for_a_graph_computes_the_same_attention():
     assert eng.pool.num_blocks in written and set(written) <= tables | {eng.pool.num_blocks}  # the sink
 
 
+def test_each_tile_width_is_chunked_for_its_own_launch_and_short_runs_are_flagged():
+    """Launches run one after another, so each tile width's runs are cut to fill the GPU on their own: a long
+    shared prefix splits by its own work, not by the whole plan's (which made the prefix's launch too coarse)."""
+    from dendrite_nb.attention.triton_plan import SHORT_RUN_TOKENS, build_host_plan
+
+    def plan_for(own_tokens: int):
+        asked = []
+
+        def chunk_for(work: int) -> int:
+            asked.append(work)
+            return 256 if work >= 4096 else 4096  # the prefix's launch splits; the leaves' runs stay whole
+        prefix = (list(range(8)), [4096 + own_tokens - 1] * 8, 0, 4096, list(range(256)))  # 8 rows x 4 heads: 64-wide
+        leaves = [([row], [4096 + own_tokens - 1], 4096, 4096 + own_tokens, [256 + row]) for row in range(8)]
+        host = build_host_plan([prefix, *leaves], list(range(8)), 16, group=4, widths=(16, 64, 128),
+                               chunk_for=chunk_for)
+        return host, asked
+
+    host, asked = plan_for(own_tokens=SHORT_RUN_TOKENS)
+    assert sorted(asked) == [8 * SHORT_RUN_TOKENS, 4096]  # one call per launch, with that launch's work only
+    assert len(host.items[64]) == 4096 // 256 and len(host.items[16]) == 8 and len(host.items[128]) == 0
+    assert host.shape().short_runs
+    longer, _ = plan_for(own_tokens=SHORT_RUN_TOKENS + 1)
+    assert not longer.shape().short_runs
+    # A graph captured with short-run launches is not reused for a plan without them, and the reverse.
+    assert not host.shape().padded(8).fits(longer.shape()) and not longer.shape().padded(8).fits(host.shape())
+    assert host.shape().padded(8).fits(host.shape())
+
+
 @pytest.mark.gpu
 def test_cuda_graph_steps_equal_eager_steps(checkpoint):
     engines = [Engine.from_pretrained(checkpoint(), device="cuda", attention="triton", num_blocks=512, block_size=4,

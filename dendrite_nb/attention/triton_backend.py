@@ -27,13 +27,18 @@ INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small 
 TILE_WIDTHS = (64, 128)
 WIDE_LAUNCH = (4, 3)  # num_warps, num_stages of wide tiles (8 warps: 8% slower on tree_attention (i), 8% faster on decode_step (a))
 NARROW_LAUNCH = (4, 2)  # num_warps, num_stages of 16-wide tiles (a few rows, or one row's heads)
+# BLOCK_N, num_warps, num_stages of the narrowest tiles when all their runs are short (PlanShape.short_runs):
+# on tree_attention (i), 256 leaves' one token each under an 8,192-token prefix, the whole layer went from 144
+# to 131 us with them (H200, benchmarks/REPORT.md); 64-token runs were 1% slower with them, so only short ones.
+SHORT_RUN_LAUNCH = (16, 2, 1)
 MIN_CHUNK_TOKENS = 64  # a long run is split into chunks of at least this many positions for parallelism
-PROGRAMS_PER_SM = 2  # chunks are cut until the plan's items x KV heads fill the GPU about this many times
-# The merge: one program per (row, query head), reading 16 partial slots per iteration. Measured on an H200
-# (benchmarks/profile_step.py): 10 us per 8B layer of 64 rows x 9 slots, 2.8 us for one 0.6B row x 10
-# slots; 4 heads x 8 slots per program took 16 and 4.9 us.
+PROGRAMS_PER_SM = 2  # chunks are cut until each launch's items x KV heads fill the GPU about this many times
+# The merge: one program of one warp per (row, query head), reading 8 partial slots per iteration. Measured
+# on an H200 (exp. in benchmarks/REPORT.md): 256 rows x 5 slots x 32 heads took 29 us with 4 warps and 16
+# slots per step, about 7 us like this; 2 heads or 4 heads per program, or 2 warps, were slower.
 MERGE_BLOCK_H = 1
-MERGE_BLOCK_S = 16
+MERGE_BLOCK_S = 8
+MERGE_WARPS = 1
 
 
 def interpreting() -> bool:
@@ -44,6 +49,7 @@ def interpreting() -> bool:
 class _Launch:
     items: torch.Tensor  # [W, ITEM_COLS] int32 on the device
     block_m: int
+    short: bool  # every item spans <= SHORT_RUN_TOKENS positions: the short-run launch settings apply
 
 
 @dataclass(slots=True)
@@ -66,10 +72,12 @@ class TritonAttention:
 
     def __init__(self, tile_widths: tuple[int, ...] = TILE_WIDTHS, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
                  wide_launch: tuple[int, int] = WIDE_LAUNCH, narrow_launch: tuple[int, int] = NARROW_LAUNCH,
-                 wide_block_n: int = BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM,
-                 merge_block: tuple[int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S)):
+                 wide_block_n: int = BLOCK_N, short_run_launch: tuple[int, int, int] = SHORT_RUN_LAUNCH,
+                 programs_per_sm: int = PROGRAMS_PER_SM,
+                 merge_block: tuple[int, int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S, MERGE_WARPS)):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
-        self.wide_launch, self.narrow_launch, self.wide_block_n = wide_launch, narrow_launch, wide_block_n
+        self.wide_launch, self.narrow_launch = wide_launch, narrow_launch
+        self.wide_block_n, self.short_run_launch = wide_block_n, short_run_launch
         self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
@@ -108,7 +116,9 @@ class TritonAttention:
         for name, length in shape.sections():
             views[name] = buffer[offset: offset + length]
             offset += length
-        launches = [_Launch(views[f"items{block_m}"].view(count, ITEM_COLS), block_m)
+        narrowest = shape.items[0][0] if shape.items else 0
+        launches = [_Launch(views[f"items{block_m}"].view(count, ITEM_COLS), block_m,
+                            shape.short_runs and block_m == narrowest)
                     for block_m, count in shape.items if count]
         return TritonPlan(num_slots=shape.slots, slot_mapping=views["mapping"],
                           launches=launches, entry_rows=views["rows"], entry_pos=views["pos"],
@@ -139,7 +149,7 @@ class TritonAttention:
             first += q
 
     def _chunker(self, device: torch.device):
-        """chunk_for(work): positions per item, for a plan of `work` tile-positions (tiles x run lengths).
+        """chunk_for(work): positions per item, for a launch of `work` tile-positions (tiles x run lengths).
         Runs are cut so that, with every KV head, the items give each multiprocessor about programs_per_sm
         programs of equal work, but never below min_chunk_tokens: each chunk adds a partial result per row
         to write and merge. So one leaf's long context splits across the GPU, and 64 short private runs
@@ -186,9 +196,13 @@ class TritonAttention:
         vs = kv.v_scale if fp8 else partial
         stride_sb, stride_st = (ks.stride(0), ks.stride(1)) if fp8 else (0, 0)
         for launch in plan.launches:
-            wide = launch.block_m > 16
-            warps, stages = self.wide_launch if wide else self.narrow_launch
-            block_n = INTERPRET_BLOCK_N if interpreting() else (self.wide_block_n if wide else BLOCK_N)
+            if launch.short:
+                block_n, warps, stages = self.short_run_launch
+            elif launch.block_m > 16:
+                block_n, (warps, stages) = self.wide_block_n, self.wide_launch
+            else:
+                block_n, (warps, stages) = BLOCK_N, self.narrow_launch
+            block_n = INTERPRET_BLOCK_N if interpreting() else block_n
             segment_attention_kernel[(launch.items.shape[0], kv_heads)](
                 q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos, plan.block_ids,
                 q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
@@ -207,12 +221,12 @@ class TritonAttention:
         tokens, num_heads, head_dim = q.shape
         partial, lse = plan.scratch["out"], plan.scratch["lse"]
         out = torch.empty_like(q)
-        block_h, block_s = self.merge_block
+        block_h, block_s, merge_warps = self.merge_block
         block_h = min(block_h, triton_next_pow2(num_heads))
         merge_partials_kernel[(tokens, triton.cdiv(num_heads, block_h))](
             partial, lse, plan.slot_indptr, plan.slots, out,
             partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_S=block_s, num_warps=4,
+            NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_S=block_s, num_warps=merge_warps,
         )
         return out
 

@@ -21,6 +21,63 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, block_off, kv_head, d,
+                  stride_kb, stride_kt, stride_kh, stride_sb, stride_st, qk_scale,
+                  BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """One BLOCK_N step of online softmax over positions [start, start + BLOCK_N). MASKED: some position is
+    past `hi` or past a row's own position (the run's last step, or a prefill tile's diagonal); unmasked
+    steps load without predicates and skip the -inf guards, which is most of a long shared prefix."""
+    pos = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        p_valid = pos < hi
+        block = tl.load(BLOCK_IDS + block_off + pos // BS, mask=p_valid, other=0)
+    else:
+        block = tl.load(BLOCK_IDS + block_off + pos // BS)
+    slot = block.to(tl.int64) * stride_kb + (pos % BS) * stride_kt + kv_head * stride_kh
+    if MASKED:
+        k = tl.load(K + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
+    else:
+        k = tl.load(K + slot[:, None] + d[None, :])
+        v = tl.load(V + slot[:, None] + d[None, :])
+    if FP8:
+        k = k.to(tl.bfloat16)
+        v = v.to(tl.bfloat16)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if FP8:
+        scale_at = block.to(tl.int64) * stride_sb + (pos % BS) * stride_st + kv_head
+        if MASKED:  # past-the-end scales may be anything (NaN included): never read them
+            s = s * tl.load(KS + scale_at, mask=p_valid, other=0.0)[None, :]
+        else:
+            s = s * tl.load(KS + scale_at)[None, :]
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(p_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        if MASKED:
+            p = p * tl.load(VS + scale_at, mask=p_valid, other=0.0)[None, :]
+        else:
+            p = p * tl.load(VS + scale_at)[None, :]
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
 def segment_attention_kernel(
     Q, K, V, KS, VS, OUT_P, LSE_P, ITEMS, ENTRY_ROWS, ENTRY_POS, BLOCK_IDS,
     stride_qt, stride_qh,  # q [T, heads, D]
@@ -54,41 +111,21 @@ def segment_attention_kernel(
             q = q.to(tl.bfloat16)
         # Causal: nothing past the last row's position is read (prefill tiles stop at their diagonal).
         hi = tl.minimum(kv_end, tl.max(q_pos, 0) + 1)
+        # Steps below `full_end` see only positions every row may attend (a decode run: all of it but the
+        # tail); they run without masks. The rest, the tail and a prefill tile's diagonal, run masked.
+        seen_by_all = tl.minimum(hi, tl.min(tl.where(m_valid, q_pos, hi), 0) + 1)
+        full_end = kv_start + tl.maximum(seen_by_all - kv_start, 0) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for start in range(kv_start, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            p_valid = pos < hi
-            block = tl.load(BLOCK_IDS + block_off + pos // BS, mask=p_valid, other=0)
-            slot = block.to(tl.int64) * stride_kb + (pos % BS) * stride_kt + kv_head * stride_kh
-            k = tl.load(K + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
-            v = tl.load(V + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
-            if FP8:
-                k = k.to(tl.bfloat16)
-                v = v.to(tl.bfloat16)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            if FP8:
-                scale_at = block.to(tl.int64) * stride_sb + (pos % BS) * stride_st + kv_head
-                s = s * tl.load(KS + scale_at, mask=p_valid, other=0.0)[None, :]
-            s = s * qk_scale
-            s = tl.where(p_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if FP8:
-                p = p * tl.load(VS + scale_at, mask=p_valid, other=0.0)[None, :]
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        for start in range(kv_start, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, block_off,
+                                          kv_head, d, stride_kb, stride_kt, stride_kh, stride_sb, stride_st,
+                                          qk_scale, BS, BLOCK_N, FP8, IEEE, MASKED=False)
+        for start in range(full_end, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, block_off,
+                                          kv_head, d, stride_kb, stride_kt, stride_kh, stride_sb, stride_st,
+                                          qk_scale, BS, BLOCK_N, FP8, IEEE, MASKED=True)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -15,6 +15,10 @@ import torch
 
 from .triton_kernels import ITEM_COLS
 
+# Items of the narrowest tile that span at most this many positions make a plan's "short runs" (each leaf's own
+# few tokens under a shared prefix): their launch takes a KV step of this size instead of the usual one.
+SHORT_RUN_TOKENS = 16
+
 
 @dataclass(frozen=True, slots=True)
 class PlanShape:
@@ -25,6 +29,7 @@ class PlanShape:
     blocks: int
     slots: int
     tokens: int
+    short_runs: bool = False  # every item of the narrowest tile spans <= SHORT_RUN_TOKENS positions
 
     def sections(self) -> list[tuple[str, int]]:
         return ([(f"items{block_m}", count * ITEM_COLS) for block_m, count in self.items]
@@ -40,7 +45,8 @@ class PlanShape:
         mine = dict(self.items)
         return (all(count <= mine.get(block_m, 0) for block_m, count in other.items if count)
                 and other.entries <= self.entries and other.blocks <= self.blocks
-                and other.slots <= self.slots and other.tokens <= self.tokens)
+                and other.slots <= self.slots and other.tokens <= self.tokens
+                and other.short_runs == self.short_runs)  # a captured launch keeps its KV step
 
     def padded(self, min_tokens: int) -> PlanShape:
         """The next power-of-two shape (so a graph serves many steps of a growing context)."""
@@ -49,7 +55,7 @@ class PlanShape:
         # A tile width with no items stays empty: its launch is skipped instead of running padding.
         return PlanShape(tuple((block_m, up(count, 8) if count else 0) for block_m, count in self.items),
                          up(self.entries),
-                         up(self.blocks, 64), up(self.slots), max(min_tokens, self.tokens))
+                         up(self.blocks, 64), up(self.slots), max(min_tokens, self.tokens), self.short_runs)
 
 
 @dataclass(slots=True)
@@ -68,8 +74,10 @@ class HostPlan:
         return len(self.slot_mapping)
 
     def shape(self) -> PlanShape:
+        narrowest = next(iter(self.items.values()))
+        short_runs = len(narrowest) > 0 and int((narrowest[:, 3] - narrowest[:, 2]).max()) <= SHORT_RUN_TOKENS
         return PlanShape(tuple((block_m, len(items)) for block_m, items in self.items.items()),
-                         len(self.entry_rows), len(self.block_ids), self.num_slots, self.num_tokens)
+                         len(self.entry_rows), len(self.block_ids), self.num_slots, self.num_tokens, short_runs)
 
     def pack(self, shape: PlanShape, trash_slot: int) -> torch.Tensor:
         """One int32 tensor holding every section, padded to `shape`: padding items have no rows, padding
@@ -100,14 +108,17 @@ def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, 
                     chunk_for: Callable[[int], int]) -> HostPlan:
     """runs: (query tokens, their positions, kv start, kv end, blocks from start // block_size) per KV run.
     widths: tile widths (query vectors), ascending. A run takes the narrowest tile that holds all its rows x
-    group heads, or tiles of the widest. Every tile's run is cut into chunks of chunk_for(work) positions,
-    work being the whole plan's tile-positions (sum over runs of tiles x run length): one chunk size for
-    the plan, so long runs split and short ones stay whole."""
+    group heads, or tiles of the widest. Each tile width is one launch, and launches run one after another,
+    so each width gets its own chunk size: its runs are cut into chunks of chunk_for(work) positions, work
+    being that width's tile-positions (sum over its runs of tiles x run length). Long runs split until the
+    launch fills the GPU, and short ones stay whole."""
     tiled = []
+    work = dict.fromkeys(widths, 0)
     for tokens, positions, start, end, blocks in runs:
         block_m = next((width for width in widths if len(tokens) * group <= width), widths[-1])
         tiled.append((block_m, block_m // group, tokens, positions, start, end, blocks))
-    chunk = chunk_for(sum(-(-len(run[2]) // run[1]) * (run[5] - run[4]) for run in tiled))
+        work[block_m] += -(-len(tokens) // (block_m // group)) * (end - start)
+    chunks = {width: chunk_for(width_work) for width, width_work in work.items() if width_work}
     items: dict[int, list[tuple[int, ...]]] = {width: [] for width in widths}
     entry_rows: list[int] = []
     entry_pos: list[int] = []
@@ -123,6 +134,7 @@ def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, 
             entry_off = len(entry_rows)
             entry_rows.extend(tile)
             entry_pos.extend(tile_pos)
+            chunk = chunks[block_m]
             for lo in range(start, hi, chunk):
                 items[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots))
                 num_slots += len(tile)
