@@ -133,6 +133,51 @@ def test_gemv_matches_f_linear_with_ragged_edges_and_bias(rows):
         kernels.gemv(random(5, 1000), weight)
 
 
+def reference_norm_linear_swiglu(x, residual, norm_weight, weight, bias=None):
+    """The unfused path's products: (qkv-like product, SwiGLU of the gate_up-like product, the stream)."""
+    stream = x if residual is None else x + residual
+    normed = reference_norm(norm_weight, 1e-6)(stream)
+    gate_up = F.linear(normed, weight, bias)
+    half = weight.shape[0] // 2
+    return gate_up, F.silu(gate_up[:, :half]) * gate_up[:, half:], stream
+
+
+@pytest.mark.parametrize("rows,with_residual,with_bias", [(1, True, False), (3, False, True), (4, True, True)])
+def test_gemv_with_the_norm_and_swiglu_folded_in_matches_the_separate_kernels(rows, with_residual, with_bias):
+    # Widths no block divides; the norm's first pass and the product both cross several K blocks.
+    x, residual = random(rows, 1000) * 3, (random(rows, 1000, seed=1) if with_residual else None)
+    norm_weight, weight = 1 + 0.1 * random(1000, seed=2), random(600, 1000, seed=3)
+    bias = random(600, seed=4) if with_bias else None
+    expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(x, residual, norm_weight,
+                                                                                      weight, bias)
+    config = (16, 128, 4, 2)  # several programs along N and K blocks, so each program's own rstd is exercised
+    product, stream = kernels.gemv(x, weight, bias, norm=(residual, norm_weight, 1e-6), config=config)
+    assert rel_err(product, expected_product) < FLOAT32_TOL
+    assert torch.equal(stream, expected_stream)
+    swiglu, stream = kernels.gemv(x, weight, bias, norm=(residual, norm_weight, 1e-6), swiglu=True, config=config)
+    assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+    # The dispatching wrappers agree with the kernel on a decode step and run the separate kernels above it.
+    for count in (rows, 9):
+        xs = random(count, 1000) * 3
+        res = random(count, 1000, seed=1) if with_residual else None
+        expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(xs, res, norm_weight,
+                                                                                          weight, bias)
+        product, stream = kernels.norm_linear(xs, res, norm_weight, 1e-6, weight, bias)
+        assert rel_err(product, expected_product) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+        swiglu, stream = kernels.linear_silu_mul(xs, weight, bias, norm=(res, norm_weight, 1e-6))
+        assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+
+
+def test_gemv_refuses_a_mismatched_norm_or_swiglu_weight():
+    x, weight = random(2, 64), random(32, 64, seed=1)
+    with pytest.raises(ValueError, match="norm weight"):
+        kernels.gemv(x, weight, norm=(None, random(63), 1e-6))
+    with pytest.raises(ValueError, match="residual"):
+        kernels.gemv(x, weight, norm=(random(2, 32), random(64), 1e-6))
+    with pytest.raises(ValueError, match="even number"):
+        kernels.gemv(x, random(31, 64), swiglu=True)
+
+
 def test_rope_refuses_a_table_of_another_dtype():
     q, k = random(5, 3, 16), random(5, 1, 16, seed=1)
     cos, sin = rope_table(16, 5, dtype=torch.float64)
@@ -245,6 +290,16 @@ def test_kernels_match_reference_on_cuda_at_real_sizes(dtype, tol):
         for rows in (1, 4):
             x = random(rows, in_features, dtype=dtype, seed=6)
             assert rel_err(kernels.gemv(x, weight), F.linear(x, weight)) < tol
+    # The norm (with the residual) and the SwiGLU folded into the GEMV, at 8B sizes: hidden -> 2 x intermediate.
+    weight, norm_weight = random(2 * intermediate, hidden, dtype=dtype, seed=7), random(hidden, dtype=dtype, seed=8)
+    for rows in (1, 4):
+        x, residual = random(rows, hidden, dtype=dtype, seed=9), random(rows, hidden, dtype=dtype, seed=10)
+        expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(x, residual, norm_weight,
+                                                                                          weight)
+        product, stream = kernels.gemv(x, weight, norm=(residual, norm_weight, 1e-6))
+        assert rel_err(product, expected_product) < tol and torch.equal(stream, expected_stream)
+        swiglu, _ = kernels.gemv(x, weight, norm=(residual, norm_weight, 1e-6), swiglu=True)
+        assert rel_err(swiglu, expected_swiglu) < tol
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .gemv import gemv, linear
+from .gemv import gemv, linear, linear_silu_mul, norm_linear
 from .norm import add_rms_norm, rms_norm
 from .rope import rope_qk
 from .swiglu import silu_mul
@@ -29,4 +29,5 @@ def unavailable_reason(device: torch.device) -> str | None:
             f"imported, which is for tests)")
 
 
-__all__ = ["INTERPRETED", "add_rms_norm", "gemv", "linear", "rms_norm", "rope_qk", "silu_mul", "unavailable_reason"]
+__all__ = ["INTERPRETED", "add_rms_norm", "gemv", "linear", "linear_silu_mul", "norm_linear", "rms_norm", "rope_qk",
+           "silu_mul", "unavailable_reason"]

@@ -1,9 +1,17 @@
-"""Matrix-vector products for decode steps of a few rows: y = x @ W.T (+ b), W [N, K] with contiguous rows.
+"""Matrix-vector products for decode steps of a few rows: y = x @ W.T (+ b), W [N, K] with contiguous rows,
+optionally with the RMSNorm before it (and the residual add before that) folded into its prologue, or the
+SwiGLU after it folded into its epilogue.
 
 cuBLAS runs the M = 1 GEMMs of a 0.6B model at about a third of memory bandwidth (benchmarks/REPORT.md): its
 tiles are built for more rows. Here a program reads BLOCK_N rows of W in BLOCK_K columns at a time for one
 row of x, accumulates products elementwise in float32 and reduces once at the end; the rows of x (at most
 MAX_ROWS) are a second grid axis and find W in the L2 cache. Rounded to x's dtype once, as cuBLAS does.
+
+Why fold: at one row a decode layer's kernels are each a few microseconds, so a layer of ten is launch and
+ramp time more than bytes. The norm needs the whole row of x (a few KB, from L2), which every program reads
+again to get the same rstd, so the norm's own kernel and its round trip through memory go away; the SwiGLU
+needs a gate row and its up row, which one program reads side by side. Rounding follows the separate kernels
+(norm.py, swiglu.py) step for step; only the order of the float32 sum of squares differs.
 """
 from __future__ import annotations
 
@@ -12,49 +20,162 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from .norm import add_rms_norm, rms_norm
+from .swiglu import silu_mul
+
 MAX_ROWS = 4  # above this, cuBLAS's tiles pay
 ACC_ELEMENTS = 8192  # BLOCK_N x BLOCK_K float32 accumulators per program (64 registers a thread at 4 warps)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _normed_chunk(x_ptr, res_ptr, nw_ptr, k, k_valid, rstd, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                  dtype: tl.constexpr):
+    """x[k] as the matrix product sees it: raw, or weight * rmsnorm(x (+ residual)) rounded as norm.py does."""
+    x = tl.load(x_ptr + k, mask=k_valid, other=0.0).to(tl.float32)
+    if NORM:
+        if RESIDUAL:
+            x = (x + tl.load(res_ptr + k, mask=k_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        normed = (x * rstd).to(dtype).to(tl.float32)
+        x = (tl.load(nw_ptr + k, mask=k_valid, other=0.0).to(tl.float32) * normed).to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
+                 stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # N: output features (with SWIGLU, the intermediate size; W then has 2N rows, gate above up).
+    pid_n = tl.program_id(0)
     row = tl.program_id(1)
+    dtype = y_ptr.dtype.element_ty
+    x_row = x_ptr + row * stride_xm
+    res_row = res_ptr + row * stride_rm
+    rstd = 0.0
+    if NORM:  # a first pass over the row for its rstd; the first column of programs stores x + residual
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_valid = k < K
+            x = tl.load(x_row + k, mask=k_valid, other=0.0).to(tl.float32)
+            if RESIDUAL:
+                x = (x + tl.load(res_row + k, mask=k_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+                tl.store(sum_ptr + row * stride_sm + k, x.to(dtype), mask=k_valid & (k * 0 + pid_n == 0))
+            squares += x * x
+        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # SWIGLU only; dead code otherwise
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_valid = k < K
-        x = tl.load(x_ptr + row * stride_xm + k, mask=k_valid, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        x = _normed_chunk(x_row, res_row, nw_ptr, k, k_valid, rstd, NORM, RESIDUAL, dtype)
+        w_mask = n_valid[:, None] & k_valid[None, :]
+        acc += tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x[None, :]
+        if SWIGLU:
+            up = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_mask, other=0.0)
+            acc_up += up.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_valid, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_valid)
+    if SWIGLU:  # silu(gate) * up, each matrix product rounded first, as the unfused path rounds its gate_up
+        up = tl.sum(acc_up, 1)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + n, mask=n_valid, other=0.0).to(tl.float32)
+        gate = y.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = silu * up.to(dtype).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, y.to(dtype), mask=n_valid)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, contiguous rows) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype."""
+def default_config(out_features: int, width: int, swiglu: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] weight: the fastest of a sweep of
+    120 settings over the 0.6B and 8B shapes at one row (H200, L2 flushed; benchmarks/REPORT.md)."""
+    if out_features >= 32768:  # an LM head: 81 us for 152k x 1,024 (3.9 TB/s), 96 us with the rule below
+        block_n, block_k, warps = 32, 128, 8
+    elif out_features <= 2048:  # few rows of W, each long (o_proj, down_proj): 4 rows a program fill the GPU
+        block_n, block_k, warps = 4, 1024, 8
+    elif out_features * width >= 2**24:  # 8B-sized projections
+        block_n, block_k, warps = 4, 128, 8
+    else:  # enough programs to cover the GPU, each a few rows of the whole width
+        block_n = max(4, min(64, triton.next_power_of_2(max(1, out_features // 512))))
+        block_k, warps = min(triton.next_power_of_2(width), ACC_ELEMENTS // block_n), 4
+    block_k = min(block_k, triton.next_power_of_2(width))
+    return block_n, block_k // (2 if swiglu and block_k > 128 else 1), warps, 3
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, swiglu: bool = False,
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (M <= MAX_ROWS, contiguous rows) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype.
+
+    norm = (residual [M, K] or None, norm_weight [K], eps): the product reads weight * rmsnorm(x + residual)
+    instead of x and the call returns (y, x + residual) (x itself when residual is None), as add_rms_norm
+    followed by the product would. swiglu: weight is [2I, K], gate rows above up rows, and y is
+    silu(gate) * up [M, I]. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), for tuning.
+    """
     rows, width = x.shape
-    out_features = weight.shape[0]
     if rows > MAX_ROWS or weight.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv takes x [M <= {MAX_ROWS}, K] and weight [N, K] with contiguous rows; got "
                          f"{tuple(x.shape)} (strides {x.stride()}) and {tuple(weight.shape)} (strides {weight.stride()}).")
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"swiglu needs gate and up stacked, an even number of weight rows; got {weight.shape[0]}.")
+    out_features = weight.shape[0] // (2 if swiglu else 1)
+    residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
+    if norm_weight is not None and (norm_weight.shape != (width,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"the norm weight is {tuple(norm_weight.shape)} {norm_weight.dtype}; expected ({width},) "
+                         f"{x.dtype}, matching x.")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"the residual is {tuple(residual.shape)} {residual.dtype} with strides {residual.stride()}; "
+                         f"expected {tuple(x.shape)} {x.dtype} with contiguous rows, like x.")
     y = x.new_empty(rows, out_features)
-    # Enough programs to cover the GPU for small N (o_proj: N = 1,024 -> 256 programs), wide tiles for the LM head.
-    block_n = max(4, min(64, triton.next_power_of_2(max(1, out_features // 512))))
-    block_k = min(triton.next_power_of_2(width), ACC_ELEMENTS // block_n)
+    summed = torch.empty_like(x) if residual is not None else None
+    block_n, block_k, warps, stages = config or default_config(out_features, width, swiglu)
     _gemv_kernel[(triton.cdiv(out_features, block_n), rows)](
-        x, weight, bias if bias is not None else weight, y, out_features, width, x.stride(0), weight.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
-    return y
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        summed if summed is not None else y, weight, bias if bias is not None else weight, y, out_features, width,
+        x.stride(0), residual.stride(0) if residual is not None else 0, summed.stride(0) if summed is not None else 0,
+        weight.stride(0), y.stride(0), eps, HAS_BIAS=bias is not None, NORM=norm is not None,
+        RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages)
+    if norm is None:
+        return y
+    return y, (summed if summed is not None else x)
+
+
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product of x and weight runs as a GEMV here: a decode step of at most MAX_ROWS rows."""
+    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(1) == 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through gemv for a decode step of at most MAX_ROWS rows."""
-    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(1) == 1:
+    if takes_gemv(x, weight):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(weight * rmsnorm(x + residual)), x + residual); x itself is the stream when residual is None.
+    One kernel for a decode step of at most MAX_ROWS rows; the norm kernel and then the product otherwise."""
+    if takes_gemv(x, weight):
+        return gemv(x, weight, bias, norm=(residual, norm_weight, eps))
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps), weight, bias), x
+    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), summed
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None):
+    """silu(gate) * up of the stacked gate_up projection of x; with norm = (residual, weight, eps), of
+    weight * rmsnorm(x + residual), returning (that, x + residual) as norm_linear does."""
+    if takes_gemv(x, gate_up_weight):
+        return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
+    if norm is None:
+        return silu_mul(linear(x, gate_up_weight, gate_up_bias))
+    gate_up, summed = norm_linear(x, norm[0], norm[1], norm[2], gate_up_weight, gate_up_bias)
+    return silu_mul(gate_up), summed

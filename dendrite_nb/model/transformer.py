@@ -6,7 +6,8 @@ tensor names map one to one.
 Two paths compute the same thing: `forward` methods are plain torch, the reference and the CPU path;
 `forward_fused` methods (after CausalLM.use_fused_kernels(True)) run one GEMM for q/k/v and one for gate/up,
 and the Triton kernels of dendrite_nb.kernels for the norms, the residual adds, RoPE and SwiGLU, and for the
-projections and LM head of decode steps of at most 4 rows (gemv).
+projections and LM head of decode steps of at most 4 rows (gemv, which then also runs each norm and the
+SwiGLU inside the projection next to it).
 """
 from __future__ import annotations
 
@@ -83,12 +84,15 @@ class Attention(nn.Module):
         if not hasattr(self, "qkv_weight"):
             _fuse_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
 
-    def forward_fused(self, x, cos, sin, kv, backend, plan) -> torch.Tensor:
-        from ..kernels import linear, rope_qk
+    def forward_fused(self, x, residual, norm, cos, sin, kv, backend, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention output, x + residual): `norm` (the layer's input RMSNorm) runs on x + residual inside
+        the q/k/v projection's kernel where the step is a GEMV, before it otherwise."""
+        from ..kernels import linear, norm_linear, rope_qk
 
         heads, kv_heads, head_dim = self.shape
         tokens = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(tokens, heads + 2 * kv_heads, head_dim)
+        qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_weight, self.qkv_bias)
+        qkv = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
         # Views into qkv, rows strided by the whole qkv width; RoPE rotates q and k where they lie.
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, heads | kv_heads, head_dim]
         qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
@@ -96,7 +100,7 @@ class Attention(nn.Module):
         rope_qk(q, k, cos, sin, out=(q, k), norm_weights=qk_norm, eps=eps)
         backend.append_kv(plan, kv, k, v)
         out = backend.attend(plan, q, kv)  # [T, heads, head_dim]
-        return linear(out.reshape(tokens, heads * head_dim), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.reshape(tokens, heads * head_dim), self.o_proj.weight, self.o_proj.bias), residual
 
 
 class MLP(nn.Module):
@@ -115,11 +119,14 @@ class MLP(nn.Module):
         if not hasattr(self, "gate_up_weight"):
             _fuse_linears(self, "gate_up", [self.gate_proj, self.up_proj])
 
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels import linear, silu_mul
+    def forward_fused(self, x, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, x + residual), `norm` (the post-attention RMSNorm) applied to x + residual first; the
+        norm and the SwiGLU run inside the gate/up projection's kernel where the step is a GEMV."""
+        from ..kernels import linear, linear_silu_mul
 
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * intermediate]
-        return linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        hidden, residual = linear_silu_mul(x, self.gate_up_weight, self.gate_up_bias,
+                                           norm=(residual, norm.weight, norm.eps))  # [T, intermediate]
+        return linear(hidden, self.down_proj.weight, self.down_proj.bias), residual
 
 
 class DecoderLayer(nn.Module):
@@ -137,17 +144,8 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x, residual, cos, sin, kv, backend, plan) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream arrives as x + residual (residual None at the first layer, where x is the stream)
         and leaves the same way, as (MLP output, stream before it): each add happens inside the next norm."""
-        from ..kernels import add_rms_norm, rms_norm
-
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = x, rms_norm(x, norm.weight, norm.eps)
-        else:
-            x, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
-        x = self.self_attn.forward_fused(x, cos, sin, kv, backend, plan)
-        norm = self.post_attention_layernorm
-        x, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
-        return self.mlp.forward_fused(x), residual
+        x, residual = self.self_attn.forward_fused(x, residual, self.input_layernorm, cos, sin, kv, backend, plan)
+        return self.mlp.forward_fused(x, residual, self.post_attention_layernorm)
 
 
 class DecoderStack(nn.Module):
