@@ -89,3 +89,14 @@ def test_fork_touches_no_block_and_prune_returns_the_pool(checkpoint):
     eng.prune(kids, trunk)
     assert eng.num_free_blocks == 64 and eng.tree()["branches"] == {}
     eng.audit()
+
+
+def test_numbered_forks_skip_taken_names_and_count_past_any_cache(checkpoint):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=64, block_size=4)
+    trunk = eng.new_branch("trunk", PROMPT)
+    eng.fork(trunk, names=["trunk/1"])
+    assert [k.name for k in eng.fork(trunk, 3)] == ["trunk/0", "trunk/2", "trunk/3"]
+    many = eng.fork("trunk/0", 20_000)
+    assert [k.name for k in many] == [f"trunk/0/{i}" for i in range(20_000)]
+    assert [k.name for k in eng.fork(trunk, 2)] == ["trunk/4", "trunk/5"]
+    eng.audit()

@@ -2,7 +2,7 @@
 import pytest
 
 from dendrite_nb.errors import BranchExists, BranchPruned, OutOfBlocks, UnknownBranch
-from dendrite_nb.kv import BlockAllocator, BranchTree
+from dendrite_nb.kv import BlockAllocator, Branch, BranchTree
 
 BLOCK = 4
 
@@ -142,6 +142,35 @@ def test_out_of_blocks_append_changes_nothing():
     with pytest.raises(OutOfBlocks):
         tree.append(a, [2] * 3)
     assert state(tree) == before
+
+
+def test_a_forked_child_is_the_branch_the_constructor_makes():
+    """Fork builds children without __init__; every field must still be set as __init__ sets it."""
+    tree = make_tree()
+    a = tree.add_branch("a", seed=7)
+    a.priority = 2.5
+    (child,) = tree.fork(a, ["c"])
+    built = Branch("c", a.node, tree, None, a.seed)
+    built.priority = 2.5
+    assert {f: getattr(child, f) for f in Branch.__slots__} == {f: getattr(built, f) for f in Branch.__slots__}
+    assert child.seed == built.seed != a.seed
+
+
+@pytest.mark.parametrize("names, error, message", [
+    (["x", ""], ValueError, "got ''"), (["x", None], ValueError, "got None"), ([b"x"], ValueError, "got b'x'"),
+    (["x", ("y",)], ValueError, "got \\('y',\\)"), (["x", "a"], BranchExists, "'a' already exists"),
+    (["x", "y", "x"], BranchExists, "'x' appears twice"),
+])
+def test_a_fork_with_a_bad_name_changes_nothing(names, error, message):
+    tree = make_tree()
+    a = tree.add_branch("a")
+    tree.append(a, [1, 2, 3, 4, 5])
+    tree.fork(a, ["b"])
+    before = state(tree)
+    with pytest.raises(error, match=message):
+        tree.fork(a, names)
+    assert state(tree) == before and set(tree.branches) == {"a", "b"}
+    tree.audit()
 
 
 def test_names_are_checked():
