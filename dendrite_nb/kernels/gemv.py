@@ -23,7 +23,11 @@ from torch.nn import functional as F
 from .norm import add_rms_norm, rms_norm
 from .swiglu import silu_mul
 
-MAX_ROWS = 4  # above this, cuBLAS's tiles pay
+MAX_ROWS = 4  # the most rows gemv() takes
+# The most rows the model's products send to gemv (takes_gemv). Measured on an H200 (L2 flushed, bf16,
+# benchmarks/REPORT.md): at one row it beats cuBLAS on every 0.6B projection (o_proj 4.7 vs 12.8 us); each
+# extra row costs it a pass over W from L2, so at 4 rows q/k/v took 10.4 us against cuBLAS's 5.9.
+DISPATCH_ROWS = 1
 ACC_ELEMENTS = 8192  # BLOCK_N x BLOCK_K float32 accumulators per program (64 registers a thread at 4 warps)
 
 
@@ -146,12 +150,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a product of x and weight runs as a GEMV here: a decode step of at most MAX_ROWS rows."""
-    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(1) == 1
+    """Whether a product of x and weight runs as a GEMV here: a decode step of at most DISPATCH_ROWS rows."""
+    return x.dim() == 2 and x.shape[0] <= DISPATCH_ROWS and x.stride(-1) == 1 and weight.stride(1) == 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through gemv for a decode step of at most MAX_ROWS rows."""
+    """F.linear, through gemv for a decode step of at most DISPATCH_ROWS rows."""
     if takes_gemv(x, weight):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -160,7 +164,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(weight * rmsnorm(x + residual)), x + residual); x itself is the stream when residual is None.
-    One kernel for a decode step of at most MAX_ROWS rows; the norm kernel and then the product otherwise."""
+    One kernel for a decode step of at most DISPATCH_ROWS rows; the norm kernel and then the product otherwise."""
     if takes_gemv(x, weight):
         return gemv(x, weight, bias, norm=(residual, norm_weight, eps))
     if residual is None:

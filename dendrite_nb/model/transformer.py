@@ -6,7 +6,7 @@ tensor names map one to one.
 Two paths compute the same thing: `forward` methods are plain torch, the reference and the CPU path;
 `forward_fused` methods (after CausalLM.use_fused_kernels(True)) run one GEMM for q/k/v and one for gate/up,
 and the Triton kernels of dendrite_nb.kernels for the norms, the residual adds, RoPE and SwiGLU, and for the
-projections and LM head of decode steps of at most 4 rows (gemv, which then also runs each norm and the
+projections and LM head of one-row decode steps (gemv, which then also runs each norm and the
 SwiGLU inside the projection next to it).
 """
 from __future__ import annotations
