@@ -15,17 +15,26 @@ import torch
 from bench_common import build_model, engine_variant, kernel_seconds, log, parser, setup as make_setup
 from dendrite_nb.attention.triton_backend import TritonAttention
 from dendrite_nb.kv.cascade import decode_layout
-from tree_attention import BLOCK_SIZE, SCENARIOS, build_tree
+from tree_attention import BLOCK_SIZE, SCENARIOS, Scenario, build_tree
+
+# tree_attention's scenarios, and (a): decode_step's 8B layout, 64 leaves x 16 tokens under a 4,096-token prefix.
+SWEPT = [*SCENARIOS, Scenario("a", 4096, ((64, 16),), None)]
 
 VARIANTS = [
     ("default", {}),
     ("programs/SM 1", {"programs_per_sm": 1}),
     ("programs/SM 3", {"programs_per_sm": 3}),
-    ("programs/SM 4", {"programs_per_sm": 4}),
-    ("programs/SM 6", {"programs_per_sm": 6}),
-    ("tiles 128 only", {"tile_widths": (128,)}),
     ("tiles 32/64/128", {"tile_widths": (32, 64, 128)}),
-    ("wide 4 warps", {"wide_launch": (4, 3)}),
+    ("wide 8 warps", {"wide_launch": (8, 3)}),
+    ("wide 4 stages", {"wide_launch": (4, 4)}),
+    ("wide block_n 128", {"wide_launch": (8, 2), "wide_block_n": 128}),
+    ("narrow 3 stages", {"narrow_launch": (4, 3)}),
+    ("no short-run launch", {"short_run_launch": (64, 4, 2)}),
+    ("short runs 32", {"short_run_launch": (32, 2, 2)}),
+    ("merge 4 warps x 16", {"merge_block": (1, 16, 4)}),
+    ("merge 2 warps", {"merge_block": (1, 8, 2)}),
+    ("merge 4 heads", {"merge_block": (4, 8, 2)}),
+    ("merge 4 slots", {"merge_block": (1, 4, 1)}),
 ]
 
 
@@ -36,13 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(setup, hf_config)
     config = model.config
     engine, reason = engine_variant(model, setup, "torch", None, block_size=BLOCK_SIZE,
-                                    num_blocks=sum(s.num_blocks() for s in SCENARIOS) + 16)
+                                    num_blocks=sum(s.num_blocks() for s in SWEPT) + 16)
     if engine is None:
         raise SystemExit(reason)
     kv = engine.pool.layers()[0]
-    log(f"{'variant':>16} " + " ".join(f"{'(' + s.key + ') us':>10}" for s in SCENARIOS))
+    log(f"{'variant':>20} " + " ".join(f"{'(' + s.key + ') us':>10}" for s in SWEPT))
     layouts = []
-    for index, scenario in enumerate(SCENARIOS):
+    for index, scenario in enumerate(SWEPT):
         leaves = build_tree(engine, scenario, config.vocab_size)
         generator = torch.Generator().manual_seed(index)
         q = torch.randn(len(leaves), config.num_heads, config.head_dim, generator=generator).to(setup.device,
@@ -55,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         for layout, q in layouts:
             plan = backend.plan(layout, BLOCK_SIZE, setup.device)
             times.append(kernel_seconds(functools.partial(backend.attend, plan, q, kv), setup.device))
-        log(f"{label:>16} " + " ".join(f"{t * 1e6:10.1f}" for t in times))
+        log(f"{label:>20} " + " ".join(f"{t * 1e6:10.1f}" for t in times))
 
 
 if __name__ == "__main__":
