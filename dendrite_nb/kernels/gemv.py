@@ -96,7 +96,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
 
 def default_config(out_features: int, width: int, swiglu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] weight: the fastest of a sweep of
-    120 settings over the 0.6B and 8B shapes at one row (H200, L2 flushed; benchmarks/REPORT.md)."""
+    102 settings over the 0.6B and 8B shapes at one row (H200, L2 flushed; benchmarks/REPORT.md)."""
     if out_features >= 32768:  # an LM head: 81 us for 152k x 1,024 (3.9 TB/s), 96 us with the rule below
         block_n, block_k, warps = 32, 128, 8
     elif out_features <= 2048:  # few rows of W, each long (o_proj, down_proj): 4 rows a program fill the GPU
