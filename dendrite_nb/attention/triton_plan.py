@@ -74,7 +74,7 @@ class HostPlan:
         return len(self.slot_mapping)
 
     def shape(self) -> PlanShape:
-        narrowest = next(iter(self.items.values()))
+        narrowest = next(iter(self.items.values()))  # build_host_plan keys items by width, ascending
         short_runs = len(narrowest) > 0 and int((narrowest[:, 3] - narrowest[:, 2]).max()) <= SHORT_RUN_TOKENS
         return PlanShape(tuple((block_m, len(items)) for block_m, items in self.items.items()),
                          len(self.entry_rows), len(self.block_ids), self.num_slots, self.num_tokens, short_runs)
@@ -134,7 +134,7 @@ def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, 
             entry_off = len(entry_rows)
             entry_rows.extend(tile)
             entry_pos.extend(tile_pos)
-            chunk = chunks[block_m]
+            chunk = chunks.get(block_m, 1)  # absent only when every run of this width is empty: nothing to cut
             for lo in range(start, hi, chunk):
                 items[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots))
                 num_slots += len(tile)

@@ -64,6 +64,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
             x = tl.load(x_row + k, mask=k_valid, other=0.0).to(tl.float32)
             if RESIDUAL:
                 x = (x + tl.load(res_row + k, mask=k_valid, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+                # `k * 0 + pid_n`: the mask as a tensor; the interpreter refuses a tensor & scalar mask.
                 tl.store(sum_ptr + row * stride_sm + k, x.to(dtype), mask=k_valid & (k * 0 + pid_n == 0))
             squares += x * x
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
@@ -173,13 +174,11 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return linear(normed, weight, bias), summed
 
 
-def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
-                    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None):
-    """silu(gate) * up of the stacked gate_up projection of x; with norm = (residual, weight, eps), of
-    weight * rmsnorm(x + residual), returning (that, x + residual) as norm_linear does."""
+def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                    norm: tuple[torch.Tensor | None, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up of the stacked gate_up projection of weight * rmsnorm(x + residual), x + residual) for
+    norm = (residual, weight, eps), as norm_linear returns them; one kernel for a one-row decode step."""
     if takes_gemv(x, gate_up_weight):
         return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
-    if norm is None:
-        return silu_mul(linear(x, gate_up_weight, gate_up_bias))
     gate_up, summed = norm_linear(x, norm[0], norm[1], norm[2], gate_up_weight, gate_up_bias)
     return silu_mul(gate_up), summed
