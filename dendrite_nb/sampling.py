@@ -2,7 +2,10 @@
 
 Each row draws its noise from its own branch's generator, so a branch's tokens do not depend on what
 else is in the batch. Sampling uses the exponential race (argmax of p / Exp(1)), which needs no
-device-to-host sync per row; the caller syncs once per step to read the tokens.
+device-to-host sync per row; the caller syncs once per step to read the tokens. On a GPU, plain
+temperature sampling (no top-k, top-p) runs the race in one Triton launch (kernels/race_sample.py),
+its noise from Philox keyed by each branch's CUDA generator (its seed and offset, which the draw
+advances): the generator stays the branch's whole sampling state, as saved and restored.
 """
 from __future__ import annotations
 
@@ -60,6 +63,27 @@ def apply_repetition_penalty(logits: torch.Tensor, histories: list[list[int]], p
     return logits
 
 
+_race_samplers: dict[torch.device, object] = {}  # kernels.race_sample.RaceSampler per CUDA device
+
+
+def race_on_device(logits: torch.Tensor, temperature: float, generators: list[torch.Generator]) -> torch.Tensor:
+    """The fused race (one launch): each row's Philox key is its generator's (seed, offset), and the offset
+    moves past the vocabulary's worth of numbers the row used (rounded to 4, as CUDA generators require)."""
+    from .kernels.race_sample import RaceSampler
+
+    sampler = _race_samplers.get(logits.device)
+    if sampler is None:
+        sampler = _race_samplers[logits.device] = RaceSampler(logits.device)
+    stride = -(-logits.shape[1] // 4) * 4
+    seeds, offsets = [], []
+    for generator in generators:
+        offset = generator.get_offset()
+        seeds.append(generator.initial_seed() & 0x7FFF_FFFF_FFFF_FFFF)  # Philox keys by 64 bits; int64 holds 63
+        offsets.append(offset)
+        generator.set_offset(offset + stride)
+    return sampler(logits, temperature, seeds, offsets)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator],
            histories: list[list[int]] | None = None) -> torch.Tensor:
     """logits [B, vocab] float32 -> token ids [B] (on the logits' device)."""
@@ -67,6 +91,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
         logits = apply_repetition_penalty(logits.clone(), histories, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(dim=-1)
+    if logits.is_cuda and not params.top_k and params.top_p == 1.0:
+        return race_on_device(logits, params.temperature, generators)
     logits = logits / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
