@@ -116,6 +116,41 @@ def test_rope_with_qwen3_qk_norm_matches_norm_then_rope():
     assert rel_err(k_out, apply_rope(reference_norm(k_weight, 1e-6)(k), cos, sin)) < ROPE_FLOAT32_TOL
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_with_the_append_fused_writes_the_caches_like_append_kv_after_it(with_norm):
+    from dendrite_nb.kernels.kv_append import append_kv
+
+    tokens, heads, kv_heads, head_dim, blocks, block_size = 5, 4, 2, 32, 6, 4
+    qkv = random(tokens, heads + 2 * kv_heads, head_dim)  # q, k, v as views of one projection, as the model has
+    caches = [torch.full((blocks, block_size, kv_heads, head_dim), float("nan"), device=DEVICE) for _ in range(4)]
+    slots = torch.tensor([3, 22, 9, 16, 5], device=DEVICE)  # scattered over blocks, out of order
+    cos, sin = rope_table(head_dim, tokens)
+    norm = (random(head_dim, seed=2), random(head_dim, seed=3)) if with_norm else None
+    results = []
+    for fused, (k_cache, v_cache) in ((False, caches[:2]), (True, caches[2:])):
+        q, k, v = qkv.clone().split([heads, kv_heads, kv_heads], dim=1)
+        if fused:
+            kernels.rope_qk(q, k, cos, sin, out=(q, k), norm_weights=norm, append=(v, k_cache, v_cache, slots))
+        else:
+            kernels.rope_qk(q, k, cos, sin, out=(q, k), norm_weights=norm)
+            append_kv(k, v, k_cache, v_cache, slots)
+        results.append((q, k))
+    assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[1][1], results[0][1])
+    for expected, got in zip(caches[:2], caches[2:]):  # the slots written hold the same bits; the rest stay NaN
+        assert torch.equal(expected.nan_to_num(7.0), got.nan_to_num(7.0))
+        assert not got.view(-1, kv_heads, head_dim)[slots].isnan().any()
+
+
+def test_rope_with_the_append_refuses_a_bad_slot_mapping_and_writes_nothing():
+    q, k, v = random(3, 2, 16).clone(), random(3, 1, 16, seed=1), random(3, 1, 16, seed=2)
+    k_cache, v_cache = torch.zeros(4, 4, 1, 16, device=DEVICE), torch.zeros(4, 4, 1, 16, device=DEVICE)
+    cos, sin = rope_table(16, 3)
+    before = [t.clone() for t in (q, k, k_cache, v_cache)]
+    with pytest.raises(ValueError, match="one slot per token"):
+        kernels.rope_qk(q, k, cos, sin, out=(q, k), append=(v, k_cache, v_cache, torch.tensor([0, 1], device=DEVICE)))
+    assert all(torch.equal(now, then) for now, then in zip((q, k, k_cache, v_cache), before))
+
+
 def test_silu_mul_matches_silu_gate_times_up():
     width = 1500  # two column blocks, the second one partial
     gate_up = random(3, 2 * width) * 4
@@ -186,11 +221,11 @@ def test_rope_refuses_a_table_of_another_dtype():
 
 
 # ---- the model with fused kernels on ---------------------------------------------------------------------
-def tiny_engine(shape: str, dtype: str = "float32") -> Engine:
+def tiny_engine(shape: str, dtype: str = "float32", attention: str = "auto") -> Engine:
     """A random tiny model with the tiny checkpoints' weight scale (from_random's 0.02 init and unit norm weights
     make attention near uniform and norm weights invisible, so RoPE or norm bugs would barely move the logits)."""
     eng = Engine.from_random(TINY_SHAPES[shape].hf_config(vocab_size=256), device=DEVICE, dtype=dtype,
-                             num_blocks=64, block_size=4)
+                             num_blocks=64, block_size=4, attention=attention)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in eng.model.named_parameters():
@@ -213,9 +248,11 @@ def teacher_forced_logits(eng: Engine, prompt: list[int], tokens: list[int]) -> 
 PROMPT = list(range(3, 200, 23))  # 9 tokens: the first forward is a prefill
 
 
-@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied"])  # Qwen3: q_norm / k_norm fused into RoPE
-def test_fused_model_matches_the_reference(shape):
-    reference, fused = tiny_engine(shape), tiny_engine(shape)
+# Qwen3: q_norm / k_norm fused into RoPE. Triton attention: RoPE and the KV append in one kernel.
+@pytest.mark.parametrize("shape,attention", [("llama-gqa-untied", "auto"), ("qwen3-gqa-tied", "auto"),
+                                             ("qwen3-gqa-tied", "triton")])
+def test_fused_model_matches_the_reference(shape, attention):
+    reference, fused = tiny_engine(shape), tiny_engine(shape, attention=attention)
     fused.model.use_fused_kernels(True)
     for eng in (reference, fused):
         eng.new_branch("trunk", PROMPT)

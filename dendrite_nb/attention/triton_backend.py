@@ -171,6 +171,19 @@ class TritonAttention:
 
         append_kv(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)  # one launch; fp8 quantised
 
+    def rope_and_append(self, plan: TritonPlan, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, norm_weights, eps: float) -> None:
+        """RoPE on q and k in place (with Qwen3's q/k norms) and the KV append: one launch, or two for an fp8
+        cache (its quantising append stays its own kernel)."""
+        from ..kernels.rope import rope_qk
+
+        if kv.k_scale is not None:
+            rope_qk(q, k, cos, sin, out=(q, k), norm_weights=norm_weights, eps=eps)
+            self.append_kv(plan, kv, k, v)
+            return
+        rope_qk(q, k, cos, sin, out=(q, k), norm_weights=norm_weights, eps=eps,
+                append=(v, kv.k, kv.v, plan.slot_mapping))
+
     def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         group = q.shape[1] // kv.k.shape[2]
         if group != self.group:  # tiles hold BLOCK_M // group rows, so the plan must know the group

@@ -63,7 +63,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
               slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
               v_scale: torch.Tensor | None = None) -> None:
     """Write k, v [T, kv_heads, head_dim] into the caches at slot_mapping [T]; see the module docstring."""
-    _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     tokens, kv_heads, head_dim = k.shape
     if tokens == 0:
         return
@@ -80,7 +80,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     )
 
 
-def _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+def check_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     """Shape and dtype mismatches, caught on the host before a kernel writes into the wrong slots."""
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"k and v must both be [T, kv_heads, head_dim]; got {tuple(k.shape)} and {tuple(v.shape)}.")

@@ -1,4 +1,6 @@
-"""RoPE on q and k in one launch (HF rotate_half layout), with Qwen3's per-head RMSNorm fused in front of it.
+"""RoPE on q and k in one launch (HF rotate_half layout), with Qwen3's per-head RMSNorm fused in front of it,
+and optionally the step's KV append fused behind it: the rotated k and the v of each token go straight
+into their paged-cache slot (a kernel launch per layer less; bf16 / float32 caches, as kv_append writes them).
 
 The angles come from a cos/sin table [T, head_dim] made by model.rope.rope_cos_sin once per forward and shared
 by every layer: that keeps the table bit-identical to the reference's, whose float32 cos of large angles
@@ -36,13 +38,17 @@ def _rope_heads(x_ptr, out_ptr, token, x_stride_t, x_stride_h, out_stride_t, out
     dst = out_ptr + token * out_stride_t + heads * out_stride_h + cols
     tl.store(dst, first.to(dtype), mask=mask)
     tl.store(dst + HALF, second.to(dtype), mask=mask)
+    return first, second
 
 
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, q_out_stride_t, q_out_stride_h,
                     k_out_stride_t, k_out_stride_h, table_stride, num_q_heads, num_k_heads, eps,
-                    HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                    v_ptr, v_stride_t, v_stride_h, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
+                    cache_stride_b, cache_stride_s, cache_stride_h,
+                    HALF: tl.constexpr, HAS_NORM: tl.constexpr, APPEND: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)[None, :]
     in_half = cols < HALF
@@ -54,8 +60,19 @@ def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weig
     sin2 = tl.load(sin_ptr + row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)
     _rope_heads(q_ptr, q_out_ptr, token, q_stride_t, q_stride_h, q_out_stride_t, q_out_stride_h, num_q_heads,
                 cos1, cos2, sin1, sin2, q_weight_ptr, eps, HALF, HAS_NORM, BLOCK_H, BLOCK_D)
-    _rope_heads(k_ptr, k_out_ptr, token, k_stride_t, k_stride_h, k_out_stride_t, k_out_stride_h, num_k_heads,
-                cos1, cos2, sin1, sin2, k_weight_ptr, eps, HALF, HAS_NORM, BLOCK_H, BLOCK_D)
+    k1, k2 = _rope_heads(k_ptr, k_out_ptr, token, k_stride_t, k_stride_h, k_out_stride_t, k_out_stride_h,
+                         num_k_heads, cos1, cos2, sin1, sin2, k_weight_ptr, eps, HALF, HAS_NORM, BLOCK_H, BLOCK_D)
+    if APPEND:  # the rotated k and the raw v into the token's cache slot (cache head vectors are contiguous)
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        mask = (heads < num_k_heads) & in_half
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        at = (slot // block_size) * cache_stride_b + (slot % block_size) * cache_stride_s + heads * cache_stride_h + cols
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + at, k1.to(cache_dtype), mask=mask)
+        tl.store(k_cache_ptr + at + HALF, k2.to(cache_dtype), mask=mask)
+        v_src = v_ptr + token * v_stride_t + heads * v_stride_h + cols
+        tl.store(v_cache_ptr + at, tl.load(v_src, mask=mask, other=0.0).to(cache_dtype), mask=mask)
+        tl.store(v_cache_ptr + at + HALF, tl.load(v_src + HALF, mask=mask, other=0.0).to(cache_dtype), mask=mask)
 
 
 def _check_heads(name: str, tensor: torch.Tensor, tokens: int, head_dim: int, dtype: torch.dtype) -> None:
@@ -70,12 +87,16 @@ def _check_heads(name: str, tensor: torch.Tensor, tokens: int, head_dim: int, dt
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             out: tuple[torch.Tensor, torch.Tensor] | None = None,
             norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-            eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+            eps: float = 1e-6,
+            append: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by cos/sin [T, head_dim] -> (q, k) rotated.
 
     out: (q_out, k_out) to write into; pass (q, k) to rotate in place (they may be views into one qkv
     tensor). None allocates new tensors. norm_weights: Qwen3's (q_norm, k_norm) weights [head_dim], applied
-    per head (RMSNorm with `eps`) before the rotation, as the reference does.
+    per head (RMSNorm with `eps`) before the rotation, as the reference does. append: (v, k_cache, v_cache,
+    slot_mapping) as kv_append.append_kv takes them, for a cache that is not fp8: the rotated k and v are
+    also written there, as append_kv(k_out, v, ...) after this call would write them.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, heads, head_dim], got shape {tuple(q.shape)}.")
@@ -102,6 +123,14 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                 raise ValueError(f"norm weight is {tuple(weight.shape)} {weight.dtype}; expected ({head_dim},) "
                                  f"{q.dtype}.")
     q_weight, k_weight = norm_weights if norm_weights is not None else (q, k)  # unread without HAS_NORM
+    v, k_cache, v_cache, slots = append if append is not None else (k, k, k, cos)  # unread without APPEND
+    if append is not None:
+        from .kv_append import check_append
+
+        check_append(k, v, k_cache, v_cache, slots, None, None)
+        if k_cache.stride(3) != 1 or v.stride(2) != 1:
+            raise ValueError(f"the fused append needs contiguous head vectors in v and the caches; got strides "
+                             f"{v.stride()} and {k_cache.stride()}.")
     half = head_dim // 2
     block_h = triton.next_power_of_2(max(q.shape[1], k.shape[1]))
     block_d = triton.next_power_of_2(half)
@@ -109,6 +138,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q, k, q_out, k_out, cos, sin, q_weight, k_weight,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
         k_out.stride(0), k_out.stride(1), cos.stride(0), q.shape[1], k.shape[1], eps,
-        HALF=half, HAS_NORM=norm_weights is not None, BLOCK_H=block_h, BLOCK_D=block_d,
+        v, v.stride(0), v.stride(1), k_cache, v_cache, slots, k_cache.shape[1] if append is not None else 1,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HALF=half, HAS_NORM=norm_weights is not None, APPEND=append is not None, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4 if block_h * block_d <= 1024 else 8)
     return q_out, k_out

@@ -97,8 +97,12 @@ class Attention(nn.Module):
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, heads | kv_heads, head_dim]
         qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
         eps = self.q_norm.eps if qk_norm is not None else 0.0
-        rope_qk(q, k, cos, sin, out=(q, k), norm_weights=qk_norm, eps=eps)
-        backend.append_kv(plan, kv, k, v)
+        rope_and_append = getattr(backend, "rope_and_append", None)  # a backend that fuses the two (triton)
+        if rope_and_append is not None:
+            rope_and_append(plan, kv, q, k, v, cos, sin, qk_norm, eps)
+        else:
+            rope_qk(q, k, cos, sin, out=(q, k), norm_weights=qk_norm, eps=eps)
+            backend.append_kv(plan, kv, k, v)
         out = backend.attend(plan, q, kv)  # [T, heads, head_dim]
         return linear(out.reshape(tokens, heads * head_dim), self.o_proj.weight, self.o_proj.bias), residual
 
