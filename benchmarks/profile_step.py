@@ -7,7 +7,7 @@ For each case (triton attention, CUDA graphs as the engine defaults them):
   3. GPU: torch.profiler kernels over one generate call: device time per step by kernel, busy vs wall;
   4. attention alone: one layer's write_partials and merge, for chunking and tile variants.
 
-    python benchmarks/profile_step.py [--cases a b] [--steps 16] [--smoke]
+    python benchmarks/profile_step.py [--cases a b tot] [--steps 16] [--smoke]
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import torch
 import dendrite_nb.engine as engine_module
 from bench_common import build_model, engine_variant, free_memory, kernel_seconds, log, parser, random_ids
 from bench_common import setup as make_setup
-from decode_step import CASES, GREEDY, SMOKE_CASES, num_blocks
+from decode_step import CASES, GREEDY, SMOKE_CASES, Case, num_blocks
+from dendrite_nb import SamplingParams
 from dendrite_nb.attention.triton_backend import TritonAttention
 from dendrite_nb.attention.triton_plan import HostPlan
 from dendrite_nb.cuda_graphs import DecodeGraphs
@@ -62,6 +63,11 @@ ATTENTION_VARIANTS = [
     ("merge 1h x 8s x 2 warps", {"merge_block": (1, 8, 2)}),
 ]
 WAIT = "wait for GPU (tokens)"
+# A step of tree_of_thought.py's 0.6B search halfway down: 5 leaves sampled at temperature 0.8 under the
+# prompt and five levels of 32 tokens, each with a half-level of its own.
+TOT_CASE = Case("tot", "qwen3-0.6b", 256 + 5 * 32, 5, 16, 20.0)
+SMOKE_TOT_CASE = Case("tot", "qwen3-0.6b", 32, 5, 4, 20.0)
+TOT_SAMPLING = SamplingParams(temperature=0.8, ignore_eos=True)
 
 
 class HostTimers:
@@ -98,14 +104,14 @@ class HostTimers:
             setattr(owner, name, original)
 
 
-def gpu_kernels(engine, leaves, steps: int, device: torch.device) -> tuple[list[tuple[str, float, int]], float, float]:
+def gpu_kernels(engine, leaves, steps: int, sampling: SamplingParams, device: torch.device) -> tuple[list[tuple[str, float, int]], float, float]:
     """(name, device ms per step, launches per step) by kernel, busy ms per step, wall ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
-        engine.generate(leaves, steps, GREEDY)
+        engine.generate(leaves, steps, sampling)
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - started
     kernels = collections.defaultdict(lambda: [0.0, 0])
@@ -148,14 +154,17 @@ def attention_parts(engine, leaves, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     arguments = parser(__doc__)
-    arguments.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES))
+    arguments.add_argument("--cases", nargs="+", choices=sorted(CASES) + ["tot"], default=sorted(CASES),
+                           help="decode_step.py's cases, or tot: a step of tree_of_thought.py's 0.6B search")
     arguments.add_argument("--steps", type=int, default=16)
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     if setup.device.type != "cuda":
         raise SystemExit("profile_step.py profiles CUDA kernels and graphs: run it on a GPU.")
     for key in args.cases:
-        case = (SMOKE_CASES if setup.smoke else CASES)[key]
+        cases = {**(SMOKE_CASES if setup.smoke else CASES), "tot": SMOKE_TOT_CASE if setup.smoke else TOT_CASE}
+        case = cases[key]
+        sampling = TOT_SAMPLING if key == "tot" else GREEDY
         model = build_model(setup, setup.hf_config(case.shape))
         vocab = model.config.vocab_size
         engine, reason = engine_variant(model, setup, "triton", None, block_size=16,
@@ -168,19 +177,19 @@ def main(argv: list[str] | None = None) -> None:
             leaves = engine.fork(root, case.leaves)
             engine.append_many(zip(leaves, random_ids(case.own, vocab, seed=2, rows=case.leaves)))
         log(f"\n({key}) {case.shape}, {case.describe()}")
-        engine.generate(leaves, 4, GREEDY)   # compiles and captures
+        engine.generate(leaves, 4, sampling)   # compiles and captures
         in_call = []
         for _ in range(3):
             torch.cuda.synchronize(setup.device)
             started = time.perf_counter()
-            engine.generate(leaves, args.steps, GREEDY)
+            engine.generate(leaves, args.steps, sampling)
             torch.cuda.synchronize(setup.device)
             in_call.append((time.perf_counter() - started) / args.steps)
         single = []
         for _ in range(10):
             torch.cuda.synchronize(setup.device)
             started = time.perf_counter()
-            engine.generate(leaves, 1, GREEDY)
+            engine.generate(leaves, 1, sampling)
             torch.cuda.synchronize(setup.device)
             single.append(time.perf_counter() - started)
         log(f"  step inside generate(leaves, {args.steps}): {statistics.median(in_call) * 1e3:.3f} ms; "
@@ -189,13 +198,13 @@ def main(argv: list[str] | None = None) -> None:
         with HostTimers(setup.device) as timers:
             torch.cuda.synchronize(setup.device)
             started = time.perf_counter()
-            engine.generate(leaves, args.steps, GREEDY)
+            engine.generate(leaves, args.steps, sampling)
             wall = time.perf_counter() - started
         log(f"  host phases per step (inclusive; wall {wall * 1e3 / args.steps:.3f} ms/step with timers):")
         for _, _, label in HOST_PHASES + [(None, None, WAIT)]:
             log(f"    {label:<32} {timers.seconds[label] * 1e3 / args.steps:8.3f} ms")
 
-        rows, busy_ms, wall_ms = gpu_kernels(engine, leaves, args.steps, setup.device)
+        rows, busy_ms, wall_ms = gpu_kernels(engine, leaves, args.steps, sampling, setup.device)
         log(f"  GPU: busy {busy_ms:.3f} ms of {wall_ms:.3f} ms wall per step (profiled; idle "
             f"{wall_ms - busy_ms:.3f} ms)")
         for name, ms, count in rows[:14]:

@@ -14,7 +14,10 @@ config, holding the engine model's weights):
       row's cache becomes the next level's node.
 Floor: the prompt's prefill plus the engine's 320 decode steps, each reading the weights and the tree's
 KV once, over the copy bandwidth measured in the same run (or their FLOPs at the matmul rate if larger).
-Targets: the engine >= 5x faster than (b) at 8B, >= 20x at 0.6B.
+Targets: the engine >= 5x faster than (b) at 8B, >= 20x at 0.6B. The engine searches twice with the same
+seeds: the first search captures a CUDA graph for each attention plan shape the deepening tree brings (as an
+engine capturing at start-up would have done before); the second, "repeated", replays them and is the one
+judged. Both are printed.
 
     python benchmarks/tree_of_thought.py [--shapes qwen3-0.6b llama-3.1-8b] [--json PATH] [--smoke]
 """
@@ -49,14 +52,18 @@ def engine_search(engine, prompt_ids, width: int, depth: int, tokens: int) -> fl
     sync(engine.device)
     started = time.perf_counter()
     node = engine.new_branch("prompt", prompt_ids)
+    path = [node]
     for _ in range(depth):
         kids = engine.fork(node, width)
         outs = engine.generate(kids, tokens, sampling)
         best = best_of(outs)
         engine.prune([kid for i, kid in enumerate(kids) if i != best])
         node = kids[best]
+        path.append(node)
     sync(engine.device)
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    engine.prune(path)  # untimed: the next search starts from an empty tree under the same names
+    return seconds
 
 
 def hf_generate(twin, ids, tokens: int, seed: int, **options):
@@ -140,8 +147,14 @@ def main(argv: list[str] | None = None) -> dict:
         engine.prune(warm, kids)
         hf_generate(twin, prompt.repeat(width, 1), 2, seed=0)
 
+        # The first search meets each deeper tree's attention plan shape for the first time and captures a CUDA
+        # graph for it (as an engine that captures at start-up would have done before); the second replays them.
+        graphs = engine._graphs
+        captures_before = graphs.captures if graphs is not None else 0
+        first_s = engine_search(engine, prompt_ids, width, depth, tokens)
+        captures = (graphs.captures if graphs is not None else 0) - captures_before
         engine_s = engine_search(engine, prompt_ids, width, depth, tokens)
-        log(f"  engine: {engine_s:.3f} s")
+        log(f"  engine: first search {first_s:.3f} s ({captures} CUDA graph captures in it), repeated {engine_s:.3f} s")
         reprefill_s = hf_reprefill(twin, prompt, width, depth, tokens)
         log(f"  transformers, re-prefill: {reprefill_s:.3f} s")
         cache_copy_s = hf_cache_copy(twin, prompt, width, depth, tokens)
@@ -154,17 +167,20 @@ def main(argv: list[str] | None = None) -> dict:
                        for context, step in ((prompt_len + tokens * level, step) for level, step in steps))
         target = TARGETS[shape]
         label = {"shape": setup.shape_name(shape)}
-        table.add(**label, system=f"engine ({engine.backend.name})", s=engine_s, floor_s=floor_s,
+        table.add(**label, system=f"engine ({engine.backend.name}), first search", s=first_s, floor_s=floor_s,
+                  x_floor=first_s / floor_s, target="")
+        table.add(**label, system=f"engine ({engine.backend.name}), repeated", s=engine_s, floor_s=floor_s,
                   x_floor=engine_s / floor_s, target="")
         table.add(**label, system=f"(a) HF re-prefill, batched {width}", s=reprefill_s, floor_s=floor_s,
                   x_floor=reprefill_s / floor_s, speedup=reprefill_s / engine_s, target="")
         table.add(**label, system=f"(b) HF DynamicCache deepcopy, batched {width}", s=cache_copy_s, floor_s=floor_s,
                   x_floor=cache_copy_s / floor_s, speedup=cache_copy_s / engine_s, target=f">= {target:g}x")
         speedup = cache_copy_s / engine_s
-        report.note(f"{setup.shape_name(shape)}: engine {engine_s:.2f} s, {reprefill_s / engine_s:.1f}x faster than "
-                    f"(a) re-prefill, {speedup:.1f}x faster than (b) cache copy (target >= {target:g}x: "
-                    f"{'met' if speedup >= target else 'NOT met'}); {engine_s / floor_s:.1f}x the floor "
-                    f"({len(steps)} decode steps + prompt prefill)")
+        report.note(f"{setup.shape_name(shape)}: engine {engine_s:.2f} s repeated ({first_s:.2f} s in the first "
+                    f"search, {captures} graph captures), {reprefill_s / engine_s:.1f}x faster than (a) re-prefill, "
+                    f"{speedup:.1f}x faster than (b) cache copy (target >= {target:g}x: "
+                    f"{'met' if speedup >= target else 'NOT met'}; first search {cache_copy_s / first_s:.1f}x); "
+                    f"{engine_s / floor_s:.1f}x the floor ({len(steps)} decode steps + prompt prefill)")
         del engine, twin, model, warm, kids
         free_memory(setup.device)
     return report.finish(args.json)
