@@ -96,15 +96,15 @@ class RaceSampler:
             self._chunk_token = torch.empty(size, dtype=torch.int32, device=self.device)
 
     def _upload_keys(self, seeds: list[int], offsets: list[int]) -> torch.Tensor:
-        """[B, 2] (seed, offset) on the device, through a pinned buffer rewritten only once its last copy ran."""
+        """(seed, offset) pairs, flat [2B], on the device, through a pinned buffer rewritten only once its last
+        copy ran (the pattern of DecodeGraphs._upload_plan's staging buffer)."""
         rows = len(seeds)
         if self.device.type != "cuda":
             return torch.tensor(list(zip(seeds, offsets)), dtype=torch.int64, device=self.device)
+        self._copied.synchronize()  # the last copy out of the pinned buffer has run: rewrite or replace it
         if len(self._keys_host) < 2 * rows:
-            self._copied.synchronize()
             self._keys_host = torch.empty(max(2 * rows, 128), dtype=torch.int64).pin_memory()
             self._keys = torch.empty(len(self._keys_host), dtype=torch.int64, device=self.device)
-        self._copied.synchronize()
         host = self._keys_host.numpy()
         host[0: 2 * rows: 2] = seeds
         host[1: 2 * rows: 2] = offsets
