@@ -413,15 +413,11 @@ class Engine:
                             done.add(i)
                         elif len(outputs[i]) == max_new_tokens:
                             done.add(i)
-                    still_pending = [i for i in pending if i not in done]
-                    # When every pending branch fits the batch, the next rows are known now and their masks
-                    # fill during the forward; otherwise they are chosen after this step's listeners ran
-                    # (a value function may have changed priorities).
-                    following = still_pending if len(still_pending) <= limit else None
-                    masks = (self._start_masks(resolved, following)
-                             if constrained and following else None)
                     steps_done += 1
-                    pending = still_pending
+                    pending = [i for i in pending if i not in done]
+                    # Listeners run before the next masks start to fill: a fill borrows its matchers (mutably,
+                    # in llguidance) until it ends, and a listener may read them (a view's tree()) or fork
+                    # their branches. A listener may also re-rank the branches for the schedule below.
                     if self._listeners:
                         self._emit(DecodeStep(step, max_steps, tuple(resolved[i].name for i in active),
                                               tuple(drawn), tuple(resolved[i].name for i in finished),
@@ -430,14 +426,8 @@ class Engine:
                         break
                     if interrupt.pending:  # Ctrl-C arrived during the step; stop here, at its boundary
                         raise KeyboardInterrupt
-                    if following is not None and not self._fits(resolved, following):
-                        if masks is not None:  # filled for rows that no longer all fit: re-planned below
-                            masks[1].result()
-                        following = None
-                    if following is None:
-                        following = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
-                        masks = self._start_masks(resolved, following) if constrained else None
-                    active = following
+                    active = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
+                    masks = self._start_masks(resolved, active) if constrained else None
                     logits = self._logits([resolved[i] for i in active])
         except GenerationInterrupted:
             raise

@@ -1,6 +1,7 @@
 """The live views' synced state: what the front end is sent must equal the engine's snapshots, every
 update must be one message with arrays as binary buffers, and the throttle must bound the messages."""
 import re
+import threading
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from comm.base_comm import BaseComm
 from traitlets import Bytes
 
 from dendrite_nb import DecodeStep, Engine, SamplingParams
+from dendrite_nb.guidance import Guidance
 from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView, node_label
 from dendrite_nb.widgets.feed import ThrottledFeed
 from conftest import engine_state
@@ -282,3 +284,64 @@ def test_the_tree_view_names_each_branch_constraint_and_whether_it_is_complete(e
     json_node = next(n for n in view._nodes if n["branches"] == ["json"])
     assert json_node["constraints"] == ["json: choices (2 options) (complete)"]
     assert next(n for n in view._nodes if n["branches"] == ["free"])["constraints"] == []
+
+
+@pytest.fixture
+def slow_mask_fills(monkeypatch):
+    """Every constraint mask fill holds its matchers from its start until the engine waits for its result,
+    as a long fill does: llguidance borrows them (mutably, in Rust) for the whole fill, and a matcher read
+    meanwhile raises RuntimeError('Already mutably borrowed')."""
+    import llguidance.torch as lltorch
+
+    holding, release = threading.Event(), threading.Event()
+    release.set()
+
+    class HeldRow:   # llguidance reads a row's index after it has borrowed the matchers
+        def __init__(self, row):
+            self.row = row
+
+        def __index__(self):
+            holding.set()
+            release.wait(timeout=30)
+            return self.row
+
+    class Waited:   # the engine's wait for the mask ends the hold
+        def __init__(self, future):
+            self.future = future
+
+        def result(self):
+            release.set()
+            return self.future.result()
+
+    real_fill, real_start = lltorch.fill_next_token_bitmask_par, Guidance.start_fill
+
+    def fill(executor, pairs, bitmask):
+        *rest, (matcher, row) = pairs
+        real_fill(executor, [*rest, (matcher, HeldRow(row))], bitmask)
+
+    def start_fill(self, matchers):
+        holding.clear()
+        release.clear()
+        future = real_start(self, matchers)
+        assert holding.wait(timeout=30), "the mask fill never started"
+        with pytest.raises(RuntimeError, match="Already mutably borrowed"):   # the hold is real
+            matchers[-1].is_stopped()
+        return Waited(future)
+
+    monkeypatch.setattr(lltorch, "fill_next_token_bitmask_par", fill)
+    monkeypatch.setattr(Guidance, "start_fill", start_fill)
+
+
+def test_the_tree_view_updates_at_every_step_however_long_the_masks_take_to_fill(eng, slow_mask_fills):
+    """A view updated from a step's event while the next step's masks filled once failed with
+    'Already mutably borrowed' (seen in CI): the engine must run its listeners while no fill holds a matcher."""
+    eng.fork("root", names=["word", "free"])
+    eng.constrain("word", {"regex": "[a-z]{40}"})   # still decoding, so masked, at every step of the call
+    # Each update reads every matcher (is its grammar complete?); on a still clock each event updates it.
+    view = TreeView(eng, interval_s=0, clock=FakeClock())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng.generate(["word", "free"], 6, SAMPLE)
+    assert view._feed.error is None and view._feed.flushes == 7   # each step and the end of the call
+    assert re.fullmatch("[a-z]{6,40}", eng.decode(eng.branch("word").tokens[-6:]))   # the masks applied
+    assert next(n for n in view._nodes if n["branches"] == ["word"])["constraints"] == ["word: regex ([a-z]{40})"]
