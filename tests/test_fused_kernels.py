@@ -401,3 +401,52 @@ def test_fused_forward_has_no_host_sync_and_replays_as_a_cuda_graph():
     positions.add_(5000)
     graph.replay()
     assert torch.equal(hidden, model(input_ids, positions, kv_layers, backend, None))
+
+
+@pytest.mark.gpu
+def test_kernels_launched_early_still_read_what_the_kernel_before_them_wrote(monkeypatch):
+    """Under PDL (kernels/pdl.py) each kernel starts before the one before it ends, loads its weights, and then
+    waits for that kernel's writes. A chain where every kernel reads the last one's output, replayed from a
+    CUDA graph, must equal the same chain launched without PDL, bit for bit."""
+    import importlib
+
+    from dendrite_nb.kernels import pdl
+
+    if not pdl.uses_pdl(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs a GPU of compute capability 9 or later")
+    torch.manual_seed(0)
+    width, out = 1024, 4096
+    layers = [(torch.randn(out, width, device="cuda", dtype=torch.bfloat16) * 0.02,
+               torch.randn(width, out // 2, device="cuda", dtype=torch.bfloat16) * 0.02,
+               1 + 0.1 * torch.randn(width, device="cuda", dtype=torch.bfloat16)) for _ in range(8)]
+    x0 = torch.randn(1, width, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        x, residual = x0, None
+        for gate_up, down, norm_weight in layers:
+            hidden, residual = kernels.gemv(x, gate_up, norm=(residual, norm_weight, 1e-6), swiglu=True)
+            x = kernels.rms_norm(kernels.gemv(hidden, down), norm_weight, 1e-6)
+        return x, residual
+
+    def without_pdl():
+        with monkeypatch.context() as patch:
+            for name in ("gemv", "norm"):
+                patch.setattr(importlib.import_module(f"dendrite_nb.kernels.{name}"), "pdl_arguments",
+                              lambda tensor: {"PDL": False})
+            return chain()
+
+    eager = chain()
+    assert all(torch.equal(a, b) for a, b in zip(eager, without_pdl()))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = chain()
+    for _ in range(3):  # new inputs each time: a kernel that read before its wait would see the last replay's
+        x0.copy_(torch.randn_like(x0))
+        graph.replay()
+        expected = without_pdl()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, expected))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.pdl import pdl_arguments
 from .base import BatchLayout, LayerKV
 from .triton_kernels import ITEM_COLS
 from .triton_plan import HostPlan, PlanShape, build_host_plan
@@ -222,7 +223,7 @@ class TritonAttention:
                 partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
                 NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
                 BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
-                num_warps=warps, num_stages=stages,
+                num_warps=warps, num_stages=stages, **pdl_arguments(q),
             )
 
     def merge(self, plan: TritonPlan, q: torch.Tensor) -> torch.Tensor:
@@ -240,6 +241,7 @@ class TritonAttention:
             partial, lse, plan.slot_indptr, plan.slots, out,
             partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_S=block_s, num_warps=merge_warps,
+            **pdl_arguments(q),
         )
         return out
 

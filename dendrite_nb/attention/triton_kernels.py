@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..kernels.pdl import wait_for_inputs
+
 ITEM_COLS = 6
 LOG2E = 1.4426950408889634
 
@@ -86,8 +88,9 @@ def segment_attention_kernel(
     stride_ps, stride_ph,  # partial outputs [slots, heads, D]; lse [slots, heads] is contiguous
     qk_scale,  # head_dim ** -0.5 * log2(e): scores in the log2 domain
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)  # first, also in padding programs: see kernels/pdl.py
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     base = ITEMS + item * 6
@@ -140,12 +143,14 @@ def merge_partials_kernel(
     OUT_P, LSE_P, SLOT_INDPTR, SLOTS, OUT,
     stride_ps, stride_ph, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[row, heads] = the softmax-weighted combination of the row's partial outputs (0 for padding rows).
 
     One program per (row, BLOCK_H heads); it reads BLOCK_S of the row's slots per iteration, so a row with
     many partials (a long prefix cut into chunks) costs a few wide loads instead of one dependent load each.
     """
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     first = tl.load(SLOT_INDPTR + row)

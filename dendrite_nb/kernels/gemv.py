@@ -12,6 +12,10 @@ ramp time more than bytes. The norm needs the whole row of x (a few KB, from L2)
 again to get the same rstd, so the norm's own kernel and its round trip through memory go away; the SwiGLU
 needs a gate row and its up row, which one program reads side by side. Rounding follows the separate kernels
 (norm.py, swiglu.py) step for step; only the order of the float32 sum of squares differs.
+
+Why the first two K chunks of W load before anything else: they depend on no other kernel, so under
+programmatic dependent launch (pdl.py) they stream in while the kernel before is still finishing. On an
+H200 a 0.6B step's 113 GEMVs went from 0.673 to 0.473 ms as a CUDA graph with this (benchmarks/REPORT.md).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from .norm import add_rms_norm, rms_norm
+from .pdl import pdl_arguments, wait_for_inputs
 from .swiglu import silu_mul
 
 MAX_ROWS = 4  # the most rows gemv() takes
@@ -45,16 +50,38 @@ def _normed_chunk(x_ptr, res_ptr, nw_ptr, k, k_valid, rstd, NORM: tl.constexpr, 
 
 
 @triton.jit
+def _weight_tile(w_rows, up_offset, k, mask, SWIGLU: tl.constexpr):
+    """W's [BLOCK_N, BLOCK_K] tile at columns k, and with SWIGLU the up rows' tile (the same tile otherwise)."""
+    w = tl.load(w_rows + k[None, :], mask=mask, other=0.0)
+    up = w
+    if SWIGLU:
+        up = tl.load(w_rows + up_offset + k[None, :], mask=mask, other=0.0)
+    return w, up
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
                  stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # N: output features (with SWIGLU, the intermediate size; W then has 2N rows, gate above up).
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     dtype = y_ptr.dtype.element_ty
     x_row = x_ptr + row * stride_xm
     res_row = res_ptr + row * stride_rm
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = n < N
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    # The first two chunks of W load before waiting for x: no kernel writes weights, so under PDL these loads
+    # overlap the kernel before (pdl.py), and without it they are in flight during the norm's pass over x.
+    k_first = tl.arange(0, BLOCK_K)
+    k_second = BLOCK_K + k_first
+    w_first, up_first = _weight_tile(w_rows, N * stride_wn, k_first, n_valid[:, None] & (k_first < K)[None, :],
+                                     SWIGLU)
+    w_second, up_second = _weight_tile(w_rows, N * stride_wn, k_second, n_valid[:, None] & (k_second < K)[None, :],
+                                       SWIGLU)
+    wait_for_inputs(PDL)
     rstd = 0.0
     if NORM:  # a first pass over the row for its rstd; the first column of programs stores x + residual
         squares = tl.zeros([BLOCK_K], tl.float32)
@@ -68,12 +95,13 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
                 tl.store(sum_ptr + row * stride_sm + k, x.to(dtype), mask=k_valid & (k * 0 + pid_n == 0))
             squares += x * x
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = n < N
-    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # SWIGLU only; dead code otherwise
-    for k0 in range(0, K, BLOCK_K):
+    x = _normed_chunk(x_row, res_row, nw_ptr, k_first, k_first < K, rstd, NORM, RESIDUAL, dtype)
+    acc = w_first.to(tl.float32) * x[None, :]
+    acc_up = up_first.to(tl.float32) * x[None, :]  # SWIGLU only; dead code otherwise
+    x = _normed_chunk(x_row, res_row, nw_ptr, k_second, k_second < K, rstd, NORM, RESIDUAL, dtype)
+    acc += w_second.to(tl.float32) * x[None, :]
+    acc_up += up_second.to(tl.float32) * x[None, :]
+    for k0 in range(2 * BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_valid = k < K
         x = _normed_chunk(x_row, res_row, nw_ptr, k, k_valid, rstd, NORM, RESIDUAL, dtype)
@@ -97,11 +125,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
 
 def default_config(out_features: int, width: int, swiglu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] weight: the fastest of a sweep of
-    102 settings over the 0.6B and 8B shapes at one row (H200, L2 flushed; benchmarks/REPORT.md)."""
+    102 settings over the 0.6B and 8B shapes at one row (H200, L2 flushed), then for o_proj and down_proj the
+    fastest of four chunk widths in a whole 0.6B step's chain of GEMVs under PDL (benchmarks/REPORT.md)."""
     if out_features >= 32768:  # an LM head: 81 us for 152k x 1,024 (3.9 TB/s), 96 us with the rule below
         block_n, block_k, warps = 32, 128, 8
-    elif out_features <= 2048:  # few rows of W, each long (o_proj, down_proj): 4 rows a program fill the GPU
-        block_n, block_k, warps = 4, 1024, 8
+    elif out_features <= 2048:  # few rows of W, each long (o_proj, down_proj): 4 rows a program fill the GPU,
+        block_n, block_k, warps = 4, 2048, 8  # and its first two chunks (all of W at 0.6B) load before the wait
     elif out_features * width >= 2**24:  # 8B-sized projections
         block_n, block_k, warps = 4, 128, 8
     else:  # enough programs to cover the GPU, each a few rows of the whole width
@@ -120,6 +149,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     instead of x and the call returns (y, x + residual) (x itself when residual is None), as add_rms_norm
     followed by the product would. swiglu: weight is [2I, K], gate rows above up rows, and y is
     silu(gate) * up [M, I]. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), for tuning.
+
+    The kernel loads weight before it waits for the kernel launched before it (kernels/pdl.py): weight must
+    not be the output of the Triton kernel launched just before this call (model weights never are).
     """
     rows, width = x.shape
     if rows > MAX_ROWS or weight.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -144,7 +176,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x.stride(0), residual.stride(0) if residual is not None else 0, summed.stride(0) if summed is not None else 0,
         weight.stride(0), y.stride(0), eps, HAS_BIAS=bias is not None, NORM=norm is not None,
         RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **pdl_arguments(x))
     if norm is None:
         return y
     return y, (summed if summed is not None else x)

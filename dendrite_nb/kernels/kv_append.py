@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..kv.fp8 import FP8_DTYPE, INV_FP8_MAX, MIN_SCALE
+from .pdl import pdl_arguments, wait_for_inputs
 
 
 @triton.jit
@@ -32,7 +33,9 @@ def _append_kv_kernel(
     scale_stride_b, scale_stride_s, scale_stride_h,
     block_size, head_dim,
     BLOCK_D: tl.constexpr, QUANTIZE: tl.constexpr, INV_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)  # int64: block * stride overflows int32 in a large pool
@@ -77,6 +80,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_cache.shape[1], head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), QUANTIZE=quantize, INV_MAX=INV_FP8_MAX, SCALE_FLOOR=MIN_SCALE,
         num_warps=1,  # one program is one head vector (<= 256 elements in the models here)
+        **pdl_arguments(k),
     )
 
 

@@ -10,11 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_arguments, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
                      x_stride, residual_stride, out_stride, sum_stride, dim, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 on long prefills at large hidden sizes
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -51,7 +54,7 @@ def _launch(x, residual, weight, eps, out, summed) -> None:
         x, residual if has_residual else x, weight, out, summed if has_residual else out,
         x.stride(0), residual.stride(0) if has_residual else 0, out.stride(0),
         summed.stride(0) if has_residual else 0, dim, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=min(max(block // 256, 1), 8), **pdl_arguments(x))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,13 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_arguments, wait_for_inputs
+
 BLOCK_V = 4096  # vocabulary entries per program: 38 programs a row for a 152k vocabulary
 INTERPRET_BLOCK_V = 16  # the CPU interpreter: small chunks, so tests cross several
 
 
 @triton.jit
 def _race_kernel(logits_ptr, keys_ptr, chunk_score_ptr, chunk_token_ptr, done_ptr, out_ptr, V, stride_row,
-                 inv_temperature, CHUNKS, BLOCK_V: tl.constexpr, CHUNKS_POW2: tl.constexpr):
+                 inv_temperature, CHUNKS, BLOCK_V: tl.constexpr, CHUNKS_POW2: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     seed = tl.load(keys_ptr + 2 * row)
@@ -84,7 +87,8 @@ class RaceSampler:
         tokens = torch.empty(rows, dtype=torch.int64, device=self.device)
         _race_kernel[(rows, chunks)](logits, keys, self._chunk_score, self._chunk_token, self._done, tokens, vocab,
                                      logits.stride(0), 1.0 / temperature, chunks, BLOCK_V=self.block_v,
-                                     CHUNKS_POW2=triton.next_power_of_2(chunks), num_warps=8)
+                                     CHUNKS_POW2=triton.next_power_of_2(chunks), num_warps=8,
+                                     **pdl_arguments(logits))
         return tokens
 
     def _grow(self, rows: int, chunks: int) -> None:

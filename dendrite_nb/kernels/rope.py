@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_arguments, wait_for_inputs
+
 
 @triton.jit
 def _rope_heads(x_ptr, out_ptr, token, x_stride_t, x_stride_h, out_stride_t, out_stride_h, num_heads,
@@ -48,7 +50,8 @@ def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weig
                     v_ptr, v_stride_t, v_stride_h, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
                     cache_stride_b, cache_stride_s, cache_stride_h,
                     HALF: tl.constexpr, HAS_NORM: tl.constexpr, APPEND: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)[None, :]
     in_half = cols < HALF
@@ -141,5 +144,5 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         v, v.stride(0), v.stride(1), k_cache, v_cache, slots, k_cache.shape[1] if append is not None else 1,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HALF=half, HAS_NORM=norm_weights is not None, APPEND=append is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d <= 1024 else 8)
+        num_warps=4 if block_h * block_d <= 1024 else 8, **pdl_arguments(q))
     return q_out, k_out

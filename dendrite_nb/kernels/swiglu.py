@@ -9,11 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_arguments, wait_for_inputs
+
 MAX_BLOCK = 1024  # columns per program: wide rows (intermediate 14,336) split across programs
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, in_stride, out_stride, width, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, in_stride, out_stride, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -41,5 +44,5 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
                          f"[{tokens}, {width}] {gate_up.dtype} with contiguous rows.")
     block = min(MAX_BLOCK, triton.next_power_of_2(width))
     _silu_mul_kernel[(tokens, triton.cdiv(width, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block, num_warps=4)
+        gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block, num_warps=4, **pdl_arguments(gate_up))
     return out
