@@ -7,7 +7,7 @@ For each case (triton attention, CUDA graphs as the engine defaults them):
   3. GPU: torch.profiler kernels over one generate call: device time per step by kernel, busy vs wall;
   4. attention alone: one layer's write_partials and merge, for chunking and tile variants.
 
-    python benchmarks/profile_step.py [--cases a b tot] [--steps 16] [--smoke]
+    python benchmarks/profile_step.py [--cases a b tot tot8b] [--steps 16] [--smoke]
 """
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ WAIT = "wait for GPU (tokens)"
 # prompt and five levels of 32 tokens, each with a half-level of its own.
 TOT_CASE = Case("tot", "qwen3-0.6b", 256 + 5 * 32, 5, 16, 20.0)
 SMOKE_TOT_CASE = Case("tot", "qwen3-0.6b", 32, 5, 4, 20.0)
+TOT_8B_CASE = Case("tot8b", "llama-3.1-8b", 256 + 5 * 32, 5, 16, 5.0)  # the same step of the 8B search
+SMOKE_TOT_8B_CASE = Case("tot8b", "llama-3.1-8b", 32, 5, 4, 5.0)
 TOT_SAMPLING = SamplingParams(temperature=0.8, ignore_eos=True)
 
 
@@ -154,17 +156,19 @@ def attention_parts(engine, leaves, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     arguments = parser(__doc__)
-    arguments.add_argument("--cases", nargs="+", choices=sorted(CASES) + ["tot"], default=sorted(CASES),
-                           help="decode_step.py's cases, or tot: a step of tree_of_thought.py's 0.6B search")
+    arguments.add_argument("--cases", nargs="+", choices=sorted(CASES) + ["tot", "tot8b"], default=sorted(CASES),
+                           help="decode_step.py's cases, or tot / tot8b: a step of tree_of_thought.py's 0.6B / "
+                                "8B search")
     arguments.add_argument("--steps", type=int, default=16)
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     if setup.device.type != "cuda":
         raise SystemExit("profile_step.py profiles CUDA kernels and graphs: run it on a GPU.")
     for key in args.cases:
-        cases = {**(SMOKE_CASES if setup.smoke else CASES), "tot": SMOKE_TOT_CASE if setup.smoke else TOT_CASE}
+        cases = {**(SMOKE_CASES if setup.smoke else CASES), "tot": SMOKE_TOT_CASE if setup.smoke else TOT_CASE,
+                 "tot8b": SMOKE_TOT_8B_CASE if setup.smoke else TOT_8B_CASE}
         case = cases[key]
-        sampling = TOT_SAMPLING if key == "tot" else GREEDY
+        sampling = TOT_SAMPLING if key.startswith("tot") else GREEDY
         model = build_model(setup, setup.hf_config(case.shape))
         vocab = model.config.vocab_size
         engine, reason = engine_variant(model, setup, "triton", None, block_size=16,

@@ -209,7 +209,7 @@ class TritonAttention:
         ks = kv.k_scale if fp8 else partial  # any tensor: never read without FP8
         vs = kv.v_scale if fp8 else partial
         stride_sb, stride_st = (ks.stride(0), ks.stride(1)) if fp8 else (0, 0)
-        for launch in plan.launches:
+        for index, launch in enumerate(plan.launches):
             if launch.short:
                 block_n, warps, stages = self.short_run_launch
             elif launch.block_m > 16:
@@ -223,7 +223,7 @@ class TritonAttention:
                 partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
                 NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
                 BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
-                num_warps=warps, num_stages=stages, **pdl_arguments(q),
+                WAIT_AT_END=index > 0, num_warps=warps, num_stages=stages, **pdl_arguments(q),
             )
 
     def merge(self, plan: TritonPlan, q: torch.Tensor) -> torch.Tensor:

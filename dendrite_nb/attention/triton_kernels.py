@@ -89,8 +89,13 @@ def segment_attention_kernel(
     qk_scale,  # head_dim ** -0.5 * log2(e): scores in the log2 domain
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    WAIT_AT_END: tl.constexpr,
 ):
-    wait_for_inputs(PDL)  # first, also in padding programs: see kernels/pdl.py
+    # Under PDL (kernels/pdl.py) a launch waits for the kernel before it first, also in padding programs. A
+    # later tile width's launch reads nothing its predecessor (the previous width's launch) writes, so it
+    # runs alongside it and waits only before it ends: the merge after it still finds every partial written.
+    if not WAIT_AT_END:
+        wait_for_inputs(PDL)
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     base = ITEMS + item * 6
@@ -136,6 +141,8 @@ def segment_attention_kernel(
         tl.store(OUT_P + slot_of[:, None] * stride_ps + head[:, None] * stride_ph + d[None, :], out,
                  mask=m_valid[:, None])
         tl.store(LSE_P + slot_of * NUM_HEADS + head, lse, mask=m_valid)
+    if WAIT_AT_END:
+        wait_for_inputs(PDL)
 
 
 @triton.jit
