@@ -373,6 +373,19 @@ class _GraphSafeAttention:
         return q * kv.sum()
 
 
+def captured(fn):
+    """(a CUDA graph of fn(), its output tensors), after one warm-up call on a side stream as capture needs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.gpu
 def test_fused_forward_has_no_host_sync_and_replays_as_a_cuda_graph():
     config = REAL_SHAPES["qwen3-0.6b"].hf_config(num_hidden_layers=4)
@@ -389,14 +402,7 @@ def test_fused_forward_has_no_host_sync_and_replays_as_a_cuda_graph():
         model(input_ids, positions, kv_layers, backend, None)  # compiles the kernels; raises on a host sync
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        model(input_ids, positions, kv_layers, backend, None)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        hidden = model(input_ids, positions, kv_layers, backend, None)
+    graph, hidden = captured(lambda: model(input_ids, positions, kv_layers, backend, None))
     input_ids.copy_(torch.randint(0, 1000, (64,), device="cuda"))
     positions.add_(5000)
     graph.replay()
@@ -408,8 +414,6 @@ def test_kernels_launched_early_still_read_what_the_kernel_before_them_wrote(mon
     """Under PDL (kernels/pdl.py) each kernel starts before the one before it ends, loads its weights, and then
     waits for that kernel's writes. A chain where every kernel reads the last one's output, replayed from a
     CUDA graph, must equal the same chain launched without PDL, bit for bit."""
-    import importlib
-
     from dendrite_nb.kernels import pdl
 
     if not pdl.uses_pdl(torch.empty(1, device="cuda")):
@@ -430,21 +434,12 @@ def test_kernels_launched_early_still_read_what_the_kernel_before_them_wrote(mon
 
     def without_pdl():
         with monkeypatch.context() as patch:
-            for name in ("gemv", "norm"):
-                patch.setattr(importlib.import_module(f"dendrite_nb.kernels.{name}"), "pdl_arguments",
-                              lambda tensor: {"PDL": False})
+            patch.setattr(pdl, "uses_pdl", lambda tensor: False)  # every kernel asks pdl_arguments, which asks this
             return chain()
 
     eager = chain()
     assert all(torch.equal(a, b) for a, b in zip(eager, without_pdl()))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = chain()
+    graph, replayed = captured(chain)
     for _ in range(3):  # new inputs each time: a kernel that read before its wait would see the last replay's
         x0.copy_(torch.randn_like(x0))
         graph.replay()

@@ -9,15 +9,12 @@ interpreter: slow, and wrong in bfloat16, so for float32 tests only).
 from __future__ import annotations
 
 import torch
-import triton
 
 from .gemv import gemv, linear, linear_silu_mul, norm_linear
 from .norm import add_rms_norm, rms_norm
+from .pdl import INTERPRETED
 from .rope import rope_qk
 from .swiglu import silu_mul
-
-# How the kernels above were defined: the interpreter decides at definition time, not at launch.
-INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 def unavailable_reason(device: torch.device) -> str | None:

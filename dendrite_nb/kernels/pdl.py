@@ -7,7 +7,7 @@ loads of weight tiles, which no kernel writes. Each kernel lets the next one lau
 so at most two kernels are in flight and every kernel before the previous one has finished.
 
 Why: a one-row decode step of a 0.6B model is about 200 kernels of 2 to 10 us each. On an H200 its chain of
-GEMVs alone went from 0.673 to 0.471 ms with PDL and the weight loads moved before the wait
+GEMVs alone went from 0.673 to 0.473 ms with PDL and the weight loads moved before the wait
 (benchmarks/REPORT.md). Kernels without PDL (torch's, cuBLAS's) keep full stream order around these.
 """
 from __future__ import annotations
@@ -18,18 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
+# How the kernels were defined: the interpreter decides at definition time, not at launch. (Defined here, the
+# first module of the package to load, and re-exported by the package.)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_supports_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def uses_pdl(tensor: torch.Tensor) -> bool:
     """Whether kernels on tensor's device launch with PDL: a CUDA device of compute capability 9 or later."""
-    return tensor.is_cuda and not INTERPRETED and _device_supports_pdl(
-        tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+    return tensor.is_cuda and _device_uses_pdl(tensor.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_uses_pdl(device: torch.device) -> bool:
+    return not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_arguments(tensor: torch.Tensor) -> dict[str, bool]:
