@@ -91,37 +91,41 @@ def segment_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     WAIT_AT_END: tl.constexpr,
 ):
-    # Under PDL (kernels/pdl.py) a launch waits for the kernel before it first, also in padding programs. A
-    # later tile width's launch reads nothing its predecessor (the previous width's launch) writes, so it
+    # Under PDL (kernels/pdl.py) a launch may start while the kernel before it (RoPE and the KV append) runs.
+    # The plan, uploaded before the step, loads before the wait: the item, its rows and their positions, three
+    # dependent loads off the critical path. Every program waits, padding ones too: the next launch counts on
+    # it. (Loading the first KV tile early as well, all but a row's own new token, made long runs 50% slower:
+    # benchmarks/REPORT.md.)
+    # A later tile width's launch reads nothing its predecessor (the previous width's launch) writes, so it
     # runs alongside it and waits only before it ends: the merge after it still finds every partial written.
-    if not WAIT_AT_END:
-        wait_for_inputs(PDL)
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     base = ITEMS + item * 6
     entry_off = tl.load(base)
-    num_rows = tl.load(base + 1)
+    num_rows = tl.load(base + 1)  # 0: a padding item (fixed grids for CUDA graphs), which does nothing
     kv_start = tl.load(base + 2)
     kv_end = tl.load(base + 3)
     block_off = tl.load(base + 4)
     slot0 = tl.load(base + 5)
-    if num_rows > 0:  # padding items (fixed grids for CUDA graphs) do nothing
-        m = tl.arange(0, BLOCK_M)
-        row_local = m // GROUP
-        head = kv_head * GROUP + m % GROUP
-        m_valid = row_local < num_rows
-        rows = tl.load(ENTRY_ROWS + entry_off + row_local, mask=m_valid, other=0)
-        q_pos = tl.load(ENTRY_POS + entry_off + row_local, mask=m_valid, other=-1)
-        d = tl.arange(0, HEAD_DIM)
+    m = tl.arange(0, BLOCK_M)
+    row_local = m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    m_valid = row_local < num_rows
+    rows = tl.load(ENTRY_ROWS + entry_off + row_local, mask=m_valid, other=0)
+    q_pos = tl.load(ENTRY_POS + entry_off + row_local, mask=m_valid, other=-1)
+    d = tl.arange(0, HEAD_DIM)
+    # Causal: nothing past the last row's position is read (prefill tiles stop at their diagonal).
+    hi = tl.minimum(kv_end, tl.max(q_pos, 0) + 1)
+    seen_by_all = tl.minimum(hi, tl.min(tl.where(m_valid, q_pos, hi), 0) + 1)  # positions every row may attend
+    if not WAIT_AT_END:
+        wait_for_inputs(PDL)
+    if num_rows > 0:
         q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=m_valid[:, None], other=0.0)
         if FP8:
             q = q.to(tl.bfloat16)
-        # Causal: nothing past the last row's position is read (prefill tiles stop at their diagonal).
-        hi = tl.minimum(kv_end, tl.max(q_pos, 0) + 1)
         # Steps below `full_end` see only positions every row may attend (a decode run: all of it but the
         # tail); they run without masks. The rest, the tail and a prefill tile's diagonal, run masked.
-        seen_by_all = tl.minimum(hi, tl.min(tl.where(m_valid, q_pos, hi), 0) + 1)
         full_end = kv_start + tl.maximum(seen_by_all - kv_start, 0) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -156,32 +160,45 @@ def merge_partials_kernel(
 
     One program per (row, BLOCK_H heads); it reads BLOCK_S of the row's slots per iteration, so a row with
     many partials (a long prefix cut into chunks) costs a few wide loads instead of one dependent load each.
+    The row's slot list is plan data, which no kernel writes: its first BLOCK_S load before the wait (pdl.py).
     """
-    wait_for_inputs(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     first = tl.load(SLOT_INDPTR + row)
     last = tl.load(SLOT_INDPTR + row + 1)
+    s = first + tl.arange(0, BLOCK_S)
+    first_slots = tl.load(SLOTS + s, mask=s < last, other=0).to(tl.int64)
+    wait_for_inputs(PDL)
     d = tl.arange(0, HEAD_DIM)
     h_valid = h < NUM_HEADS
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for s0 in range(first, last, BLOCK_S):
+    acc, m_i, l_i = _merge_slots(acc, m_i, l_i, first_slots, s < last, h, h_valid, d, OUT_P, LSE_P, stride_ps,
+                                 stride_ph, NUM_HEADS)
+    for s0 in range(first + BLOCK_S, last, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         s_valid = s < last
-        slot = tl.load(SLOTS + s, mask=s_valid, other=0).to(tl.int64)
-        sh_valid = s_valid[:, None] & h_valid[None, :]
-        lse = tl.load(LSE_P + slot[:, None] * NUM_HEADS + h[None, :], mask=sh_valid, other=float("-inf"))
-        part = tl.load(OUT_P + slot[:, None, None] * stride_ps + h[None, :, None] * stride_ph + d[None, None, :],
-                       mask=sh_valid[:, :, None], other=0.0)  # [BLOCK_S, BLOCK_H, D]
-        m_new = tl.maximum(m_i, tl.max(lse, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads with nothing visible yet
-        alpha = tl.math.exp2(m_i - m_safe)
-        weight = tl.math.exp2(lse - m_safe[None, :])  # [BLOCK_S, BLOCK_H]; 0 for masked slots
-        acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
-        l_i = l_i * alpha + tl.sum(weight, 0)
-        m_i = m_new
+        slots = tl.load(SLOTS + s, mask=s_valid, other=0).to(tl.int64)
+        acc, m_i, l_i = _merge_slots(acc, m_i, l_i, slots, s_valid, h, h_valid, d, OUT_P, LSE_P, stride_ps,
+                                     stride_ph, NUM_HEADS)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + row * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
              mask=h_valid[:, None])
+
+
+@triton.jit
+def _merge_slots(acc, m_i, l_i, slot, s_valid, h, h_valid, d, OUT_P, LSE_P, stride_ps, stride_ph,
+                 NUM_HEADS: tl.constexpr):
+    """Fold partial slots `slot` [BLOCK_S] (where s_valid) into the running log-sum-exp merge of heads h."""
+    sh_valid = s_valid[:, None] & h_valid[None, :]
+    lse = tl.load(LSE_P + slot[:, None] * NUM_HEADS + h[None, :], mask=sh_valid, other=float("-inf"))
+    part = tl.load(OUT_P + slot[:, None, None] * stride_ps + h[None, :, None] * stride_ph + d[None, None, :],
+                   mask=sh_valid[:, :, None], other=0.0)  # [BLOCK_S, BLOCK_H, D]
+    m_new = tl.maximum(m_i, tl.max(lse, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads with nothing visible yet
+    alpha = tl.math.exp2(m_i - m_safe)
+    weight = tl.math.exp2(lse - m_safe[None, :])  # [BLOCK_S, BLOCK_H]; 0 for masked slots
+    acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
+    l_i = l_i * alpha + tl.sum(weight, 0)
+    return acc, m_new, l_i

@@ -51,16 +51,18 @@ def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weig
                     cache_stride_b, cache_stride_s, cache_stride_h,
                     HALF: tl.constexpr, HAS_NORM: tl.constexpr, APPEND: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)[None, :]
     in_half = cols < HALF
     row = token * table_stride
-    # The table is read once per token for q and k both.
+    # The table is read once per token for q and k both. It and the slot mapping are made before the forward's
+    # first layer, so they load before the wait (pdl.py), while the kernel before is still running.
     cos1 = tl.load(cos_ptr + row + cols, mask=in_half, other=0.0).to(tl.float32)
     cos2 = tl.load(cos_ptr + row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + row + cols, mask=in_half, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + row + HALF + cols, mask=in_half, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + token).to(tl.int64) if APPEND else 0
+    wait_for_inputs(PDL)
     _rope_heads(q_ptr, q_out_ptr, token, q_stride_t, q_stride_h, q_out_stride_t, q_out_stride_h, num_q_heads,
                 cos1, cos2, sin1, sin2, q_weight_ptr, eps, HALF, HAS_NORM, BLOCK_H, BLOCK_D)
     k1, k2 = _rope_heads(k_ptr, k_out_ptr, token, k_stride_t, k_stride_h, k_out_stride_t, k_out_stride_h,
@@ -68,7 +70,6 @@ def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weig
     if APPEND:  # the rotated k and the raw v into the token's cache slot (cache head vectors are contiguous)
         heads = tl.arange(0, BLOCK_H)[:, None]
         mask = (heads < num_k_heads) & in_half
-        slot = tl.load(slot_ptr + token).to(tl.int64)
         at = (slot // block_size) * cache_stride_b + (slot % block_size) * cache_stride_s + heads * cache_stride_h + cols
         cache_dtype = k_cache_ptr.dtype.element_ty
         tl.store(k_cache_ptr + at, k1.to(cache_dtype), mask=mask)
