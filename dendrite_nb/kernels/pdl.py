@@ -1,10 +1,12 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels.
 
 A kernel launched with PDL may start while the kernel before it in the stream is still running; it waits
-(`wait_for_inputs`) before its first read of anything an earlier kernel wrote and before its first write.
-What comes before the wait overlaps the previous kernel's tail: the launch itself, and in the GEMVs the
-loads of weight tiles, which no kernel writes. Each kernel lets the next one launch right after its own wait,
-so at most two kernels are in flight and every kernel before the previous one has finished.
+(`wait_for_inputs`) before its first write and before it reads anything the previous kernel may write. Each
+kernel lets the next one launch right after its own wait, so at most two kernels are in flight and every
+kernel before the previous one has finished. So what comes before the wait may read only what was written
+before the previous kernel: weights (the GEMVs' first tiles of W), the attention plan (uploaded before the
+step: the attention kernel's items, rows and positions, the merge's slots) and the RoPE table (made before
+the first layer). Those loads then overlap the previous kernel's tail, as does the launch itself.
 
 Why: a one-row decode step of a 0.6B model is about 200 kernels of 2 to 10 us each. On an H200 its chain of
 GEMVs alone went from 0.673 to 0.473 ms with PDL and the weight loads moved before the wait
