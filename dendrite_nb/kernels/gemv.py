@@ -105,10 +105,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
         k = k0 + tl.arange(0, BLOCK_K)
         k_valid = k < K
         x = _normed_chunk(x_row, res_row, nw_ptr, k, k_valid, rstd, NORM, RESIDUAL, dtype)
-        w_mask = n_valid[:, None] & k_valid[None, :]
-        acc += tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x[None, :]
+        w, up = _weight_tile(w_rows, N * stride_wn, k, n_valid[:, None] & k_valid[None, :], SWIGLU)
+        acc += w.to(tl.float32) * x[None, :]
         if SWIGLU:
-            up = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_mask, other=0.0)
             acc_up += up.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
