@@ -4,6 +4,7 @@ Without CUDA the kernels run in Triton's interpreter on CPU tensors, in float32 
 bfloat16); with CUDA the same tests run on the GPU, and the `gpu` tests add bfloat16, real sizes and a CUDA
 graph capture of the fused forward.
 """
+import importlib
 import os
 
 import pytest
@@ -191,8 +192,9 @@ def test_gemv_with_the_norm_and_swiglu_folded_in_matches_the_separate_kernels(ro
     assert torch.equal(stream, expected_stream)
     swiglu, stream = kernels.gemv(x, weight, bias, norm=(residual, norm_weight, 1e-6), swiglu=True, config=config)
     assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
-    # The dispatching wrappers agree with the kernel on a decode step and run the separate kernels above it.
-    for count in (rows, 9):
+    # The dispatching wrappers agree with the kernels (gemv, skinny) on decode steps and run the separate kernels
+    # and cuBLAS above them.
+    for count in (rows, 9, 17):
         xs = random(count, 1000) * 3
         res = random(count, 1000, seed=1) if with_residual else None
         expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(xs, res, norm_weight,
@@ -201,6 +203,72 @@ def test_gemv_with_the_norm_and_swiglu_folded_in_matches_the_separate_kernels(ro
         assert rel_err(product, expected_product) < FLOAT32_TOL and torch.equal(stream, expected_stream)
         swiglu, stream = kernels.linear_silu_mul(xs, weight, bias, norm=(res, norm_weight, 1e-6))
         assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+
+
+@pytest.mark.parametrize("rows,with_residual,with_bias", [(2, True, False), (5, False, True), (16, True, True)])
+def test_skinny_matches_f_linear_and_the_separate_kernels_it_folds(rows, with_residual, with_bias):
+    # Widths no block divides: a partial last K chunk and a partial last block of W's rows.
+    x, residual = random(rows, 1000) * 3, (random(rows, 1000, seed=1) if with_residual else None)
+    norm_weight, weight = 1 + 0.1 * random(1000, seed=2), random(600, 1000, seed=3)
+    bias = random(600, seed=4) if with_bias else None
+    config = (16, 128, 4, 2)  # several programs along N, several K chunks
+    assert rel_err(kernels.skinny(x, weight, bias, config=config), F.linear(x, weight, bias)) < FLOAT32_TOL
+    expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(x, residual, norm_weight,
+                                                                                      weight, bias)
+    product, stream = kernels.skinny(x, weight, bias, norm=(residual, norm_weight, 1e-6), config=config)
+    assert rel_err(product, expected_product) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+    swiglu, stream = kernels.skinny(x, weight, bias, norm=(residual, norm_weight, 1e-6), swiglu=True,
+                                    config=config)
+    assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+    # The default settings too (one program's rows of W span the whole 600 here).
+    assert rel_err(kernels.skinny(x, weight, bias), F.linear(x, weight, bias)) < FLOAT32_TOL
+
+
+def test_products_go_to_gemv_skinny_or_cublas_by_rows():
+    weight = random(64, 32)
+    assert [kernels.product_kernel(random(rows, 32), weight) for rows in (1, 2, 16, 17)] == \
+        ["gemv", "skinny", "skinny", "cublas"]
+    assert kernels.product_kernel(random(32, 4)[:, :2].t(), random(64, 4)) == "cublas"  # columns not contiguous
+
+
+def test_skinny_refuses_bad_shapes_and_weights():
+    x, weight = random(4, 64), random(32, 64, seed=1)
+    for rows in (1, 17):
+        with pytest.raises(ValueError, match="2 <= M <= 16"):
+            kernels.skinny(random(rows, 64), weight)
+    with pytest.raises(ValueError, match="norm weight"):
+        kernels.skinny(x, weight, norm=(None, random(63), 1e-6))
+    with pytest.raises(ValueError, match="residual"):
+        kernels.skinny(x, weight, norm=(random(2, 64), random(64), 1e-6))
+    with pytest.raises(ValueError, match="even number"):
+        kernels.skinny(x, random(31, 64), swiglu=True)
+
+
+def test_skinny_steps_down_to_a_setting_that_fits_the_gpu(monkeypatch):
+    """A GPU with less shared memory than the one the defaults were tuned on refuses them (OutOfResources at
+    compile time): the call retries smaller settings and remembers the one that fitted."""
+    from triton.runtime.errors import OutOfResources
+
+    skinny_module = importlib.import_module("dendrite_nb.kernels.skinny")
+    launch, tried = skinny_module._launch, []
+
+    def small_gpu(config, *args):
+        tried.append(config)
+        if config[1] * config[3] > 128:  # "shared memory" = BLOCK_K x stages
+            raise OutOfResources(config[1] * config[3], 128, "shared memory")
+        launch(config, *args)
+
+    monkeypatch.setattr(skinny_module, "_launch", small_gpu)
+    monkeypatch.setattr(skinny_module, "_FITTED", {})
+    x, weight = random(3, 100), random(40, 100, seed=1)
+    assert rel_err(kernels.skinny(x, weight, config=(16, 128, 4, 3)), F.linear(x, weight)) < FLOAT32_TOL
+    assert tried == [(16, 128, 4, 3), (16, 128, 4, 2), (16, 64, 4, 2)]
+    tried.clear()
+    kernels.skinny(x, weight, config=(16, 128, 4, 3))
+    assert tried == [(16, 64, 4, 2)]  # remembered
+    monkeypatch.setattr(skinny_module, "_launch", lambda config, *args: small_gpu((config[0], 999, 4, 2), *args))
+    with pytest.raises(OutOfResources):  # nothing fits: the error, not a wrong result
+        kernels.skinny(x, weight, config=(64, 64, 4, 2))
 
 
 def test_gemv_refuses_a_mismatched_norm_or_swiglu_weight():
@@ -341,6 +409,16 @@ def test_kernels_match_reference_on_cuda_at_real_sizes(dtype, tol):
         assert rel_err(product, expected_product) < tol and torch.equal(stream, expected_stream)
         swiglu, _ = kernels.gemv(x, weight, norm=(residual, norm_weight, 1e-6), swiglu=True)
         assert rel_err(swiglu, expected_swiglu) < tol
+    # The tensor-core product of a few rows, at its default settings (float32 steps down to ones that fit).
+    for rows in (5, 16):
+        x, residual = random(rows, hidden, dtype=dtype, seed=9), random(rows, hidden, dtype=dtype, seed=10)
+        expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(x, residual, norm_weight,
+                                                                                          weight)
+        assert rel_err(kernels.skinny(x, weight), F.linear(x, weight)) < tol
+        product, stream = kernels.skinny(x, weight, norm=(residual, norm_weight, 1e-6))
+        assert rel_err(product, expected_product) < tol and torch.equal(stream, expected_stream)
+        swiglu, _ = kernels.skinny(x, weight, norm=(residual, norm_weight, 1e-6), swiglu=True)
+        assert rel_err(swiglu, expected_swiglu) < tol
 
 
 @pytest.mark.gpu
@@ -424,13 +502,18 @@ def test_kernels_launched_early_still_read_what_the_kernel_before_them_wrote(mon
                torch.randn(width, out // 2, device="cuda", dtype=torch.bfloat16) * 0.02,
                1 + 0.1 * torch.randn(width, device="cuda", dtype=torch.bfloat16)) for _ in range(8)]
     x0 = torch.randn(1, width, device="cuda", dtype=torch.bfloat16)
+    x5 = torch.randn(5, width, device="cuda", dtype=torch.bfloat16)
 
     def chain():
         x, residual = x0, None
         for gate_up, down, norm_weight in layers:
             hidden, residual = kernels.gemv(x, gate_up, norm=(residual, norm_weight, 1e-6), swiglu=True)
             x = kernels.rms_norm(kernels.gemv(hidden, down), norm_weight, 1e-6)
-        return x, residual
+        y, stream = x5, None  # the same for the few-row product
+        for gate_up, down, norm_weight in layers:
+            hidden, stream = kernels.skinny(y, gate_up, norm=(stream, norm_weight, 1e-6), swiglu=True)
+            y = kernels.skinny(hidden, down)
+        return x, residual, y, stream
 
     def without_pdl():
         with monkeypatch.context() as patch:
@@ -442,6 +525,7 @@ def test_kernels_launched_early_still_read_what_the_kernel_before_them_wrote(mon
     graph, replayed = captured(chain)
     for _ in range(3):  # new inputs each time: a kernel that read before its wait would see the last replay's
         x0.copy_(torch.randn_like(x0))
+        x5.copy_(torch.randn_like(x5))
         graph.replay()
         expected = without_pdl()
         assert all(torch.equal(a, b) for a, b in zip(replayed, expected))

@@ -259,20 +259,33 @@ def test_segment_cache_equals_a_fresh_cut_as_leaves_grow_and_change():
 
 @pytest.mark.gpu
 def test_bfloat16_triton_path_stays_within_1e_2_of_the_torch_reference():
-    """The whole GPU fast path (Triton attention, fused decoder kernels, CUDA graphs) against the reference,
-    in bf16 at a real head size, after a prompt and after a tree of decode steps."""
+    """The whole GPU fast path (Triton attention, fused decoder kernels, CUDA graphs) against the torch
+    reference, in bf16 at a real head size, after a prompt and after a tree of decode steps.
+
+    Measured against the reference run in float32 (the exact result of the same weights): the bf16 reference
+    itself is 1.00% away from it here (H200), so a bf16 path that rounds in other places than the reference
+    (the few-row products fold the norm with one rounding fewer) differs from the bf16 reference by about
+    that much even where it is closer to the exact result (0.94%)."""
     from dendrite_nb.testing.shapes import REAL_SHAPES
 
     cfg = REAL_SHAPES["qwen3-0.6b"].hf_config(num_hidden_layers=2, vocab_size=512)
     fast = Engine.from_random(cfg, device="cuda", dtype="bfloat16", num_blocks=512)
     reference = Engine(fast.model, None, device="cuda", attention="torch", num_blocks=512)
-    reference.model.use_fused_kernels(False)  # the plain torch decoder: a second engine over the same weights
+    exact = Engine.from_random(cfg, device="cuda", dtype="float32", num_blocks=512, attention="torch")
+    with torch.no_grad():
+        for ours, theirs in zip(exact.model.parameters(), fast.model.parameters(), strict=True):
+            ours.copy_(theirs.float())
     prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     results = []
-    for eng in (fast, reference):
-        eng.model.use_fused_kernels(eng is fast)
+    for eng in (fast, reference, exact):
+        eng.model.use_fused_kernels(eng is fast)  # reference, exact: the plain torch decoder
         kids = eng.fork(eng.new_branch("root", prompt), 4)
         eng.append_many([(kid, [i + 1]) for i, kid in enumerate(kids)])
-        results.append(eng.next_logits(kids))
-    relative = (results[0] - results[1]).norm() / results[1].norm()
-    assert relative < 1e-2
+        results.append(eng.next_logits(kids).float())
+    fast_logits, reference_logits, exact_logits = results
+
+    def relative(logits, to):
+        return ((logits - to).norm() / to.norm()).item()
+    assert relative(fast_logits, exact_logits) < 1e-2
+    assert relative(fast_logits, exact_logits) < 1.1 * relative(reference_logits, exact_logits)
+    assert relative(fast_logits, reference_logits) < 1.5e-2  # the two bf16 paths' roundings, together

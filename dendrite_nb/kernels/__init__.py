@@ -1,5 +1,5 @@
 """Fused Triton kernels for the decoder's memory-bound steps: RMSNorm (+ residual add), RoPE on q and k, SwiGLU,
-and matrix-vector products for decode steps of a few rows.
+and the matrix products of decode steps of a few rows (gemv for one, skinny for up to 16; products.py picks).
 
 Each reproduces the rounding of the torch reference in dendrite_nb.model (float32 math, cast to the activation
 dtype wherever the reference casts), so bf16 results match it. Importing this package imports triton. The
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .gemv import gemv, linear, linear_silu_mul, norm_linear
+from .gemv import gemv
 from .norm import add_rms_norm, rms_norm
 from .pdl import INTERPRETED
+from .products import linear, linear_silu_mul, norm_linear, product_kernel
 from .rope import rope_qk
+from .skinny import skinny
 from .swiglu import silu_mul
 
 
@@ -26,5 +28,5 @@ def unavailable_reason(device: torch.device) -> str | None:
             f"imported, which is for tests)")
 
 
-__all__ = ["INTERPRETED", "add_rms_norm", "gemv", "linear", "linear_silu_mul", "norm_linear", "rms_norm", "rope_qk",
-           "silu_mul", "unavailable_reason"]
+__all__ = ["INTERPRETED", "add_rms_norm", "gemv", "linear", "linear_silu_mul", "norm_linear", "product_kernel",
+           "rms_norm", "rope_qk", "silu_mul", "skinny", "unavailable_reason"]

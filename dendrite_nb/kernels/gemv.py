@@ -22,17 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.nn import functional as F
 
-from .norm import add_rms_norm, rms_norm
 from .pdl import pdl_arguments, wait_for_inputs
-from .swiglu import silu_mul
 
 MAX_ROWS = 4  # the most rows gemv() takes
-# The most rows the model's products send to gemv (takes_gemv). Measured on an H200 (L2 flushed, bf16,
-# benchmarks/REPORT.md): at one row it beats cuBLAS on every 0.6B projection (o_proj 4.7 vs 12.8 us); each
-# extra row costs it a pass over W from L2, so at 4 rows q/k/v took 10.4 us against cuBLAS's 5.9.
-DISPATCH_ROWS = 1
 ACC_ELEMENTS = 8192  # BLOCK_N x BLOCK_K float32 accumulators per program (64 registers a thread at 4 warps)
 
 
@@ -139,6 +132,21 @@ def default_config(out_features: int, width: int, swiglu: bool = False) -> tuple
     return block_n, block_k // (2 if swiglu and block_k > 128 else 1), warps, 3
 
 
+def check_folds(x: torch.Tensor, weight: torch.Tensor, norm: tuple | None, swiglu: bool) -> int:
+    """Raise ValueError unless the folded norm's and SwiGLU's tensors fit x [M, K] and weight (as gemv and
+    skinny take them); returns the product's output features."""
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"swiglu needs gate and up stacked, an even number of weight rows; got {weight.shape[0]}.")
+    residual, norm_weight, _ = norm if norm is not None else (None, None, 0.0)
+    if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"the norm weight is {tuple(norm_weight.shape)} {norm_weight.dtype}; expected "
+                         f"({x.shape[1]},) {x.dtype}, matching x.")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"the residual is {tuple(residual.shape)} {residual.dtype} with strides {residual.stride()}; "
+                         f"expected {tuple(x.shape)} {x.dtype} with contiguous rows, like x.")
+    return weight.shape[0] // (2 if swiglu else 1)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, swiglu: bool = False,
          config: tuple[int, int, int, int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -156,16 +164,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if rows > MAX_ROWS or weight.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv takes x [M <= {MAX_ROWS}, K] and weight [N, K] with contiguous rows; got "
                          f"{tuple(x.shape)} (strides {x.stride()}) and {tuple(weight.shape)} (strides {weight.stride()}).")
-    if swiglu and weight.shape[0] % 2:
-        raise ValueError(f"swiglu needs gate and up stacked, an even number of weight rows; got {weight.shape[0]}.")
-    out_features = weight.shape[0] // (2 if swiglu else 1)
+    out_features = check_folds(x, weight, norm, swiglu)
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
-    if norm_weight is not None and (norm_weight.shape != (width,) or norm_weight.dtype != x.dtype):
-        raise ValueError(f"the norm weight is {tuple(norm_weight.shape)} {norm_weight.dtype}; expected ({width},) "
-                         f"{x.dtype}, matching x.")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"the residual is {tuple(residual.shape)} {residual.dtype} with strides {residual.stride()}; "
-                         f"expected {tuple(x.shape)} {x.dtype} with contiguous rows, like x.")
     y = x.new_empty(rows, out_features)
     summed = torch.empty_like(x) if residual is not None else None
     block_n, block_k, warps, stages = config or default_config(out_features, width, swiglu)
@@ -179,37 +179,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if norm is None:
         return y
     return y, (summed if summed is not None else x)
-
-
-def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a product of x and weight runs as a GEMV here: a decode step of at most DISPATCH_ROWS rows."""
-    return x.dim() == 2 and x.shape[0] <= DISPATCH_ROWS and x.stride(-1) == 1 and weight.stride(1) == 1
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through gemv for a decode step of at most DISPATCH_ROWS rows."""
-    if takes_gemv(x, weight):
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(weight * rmsnorm(x + residual)), x + residual); x itself is the stream when residual is None.
-    One kernel for a decode step of at most DISPATCH_ROWS rows; the norm kernel and then the product otherwise."""
-    if takes_gemv(x, weight):
-        return gemv(x, weight, bias, norm=(residual, norm_weight, eps))
-    if residual is None:
-        return linear(rms_norm(x, norm_weight, eps), weight, bias), x
-    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), summed
-
-
-def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                    norm: tuple[torch.Tensor | None, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(gate) * up of the stacked gate_up projection of weight * rmsnorm(x + residual), x + residual) for
-    norm = (residual, weight, eps), as norm_linear returns them; one kernel for a one-row decode step."""
-    if takes_gemv(x, gate_up_weight):
-        return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
-    gate_up, summed = norm_linear(x, norm[0], norm[1], norm[2], gate_up_weight, gate_up_bias)
-    return silu_mul(gate_up), summed

@@ -1,0 +1,71 @@
+"""The model's matrix products, each sent to the kernel that runs its number of rows fastest, with the RMSNorm
+before it and the SwiGLU after it folded in where that kernel can fold them.
+
+- 1 row (a one-leaf decode step): gemv.py. At one row it beats cuBLAS on every 0.6B projection (o_proj 4.7
+  against 12.8 us on an H200, L2 flushed); each extra row costs it a pass over W from L2 (at 4 rows q/k/v
+  took 10.4 us against cuBLAS's 5.9), so it takes only one.
+- 2 to SKINNY_ROWS rows (a batch of leaves): skinny.py, on tensor cores, with the same folds.
+- more (prefill, large batches): cuBLAS, with the norm and the SwiGLU as their own kernels.
+
+benchmarks/REPORT.md has the measurements behind the row limits.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from .gemv import gemv
+from .norm import add_rms_norm, rms_norm
+from .skinny import MIN_ROWS, skinny
+from .swiglu import silu_mul
+
+GEMV_ROWS = 1  # the most rows sent to gemv
+SKINNY_ROWS = 16  # the most rows sent to skinny (at most skinny.MAX_ROWS)
+
+
+def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Which kernel runs x @ weight.T here: "gemv", "skinny" or "cublas"."""
+    if x.dim() != 2 or x.stride(-1) != 1 or weight.stride(1) != 1:
+        return "cublas"
+    rows = x.shape[0]
+    if rows <= GEMV_ROWS:
+        return "gemv"
+    return "skinny" if MIN_ROWS <= rows <= SKINNY_ROWS else "cublas"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through gemv or skinny for a decode step of few rows."""
+    kernel = product_kernel(x, weight)
+    if kernel == "gemv":
+        return gemv(x, weight, bias)
+    if kernel == "skinny":
+        return skinny(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(weight * rmsnorm(x + residual)), x + residual); x itself is the stream when residual is None.
+    One kernel for a decode step of few rows; the norm kernel and then cuBLAS's product otherwise."""
+    kernel = product_kernel(x, weight)
+    if kernel == "gemv":
+        return gemv(x, weight, bias, norm=(residual, norm_weight, eps))
+    if kernel == "skinny":
+        return skinny(x, weight, bias, norm=(residual, norm_weight, eps))
+    if residual is None:
+        return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
+    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), summed
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                    norm: tuple[torch.Tensor | None, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up of the stacked gate_up projection of weight * rmsnorm(x + residual), x + residual) for
+    norm = (residual, weight, eps), as norm_linear returns them; one kernel for a decode step of few rows."""
+    kernel = product_kernel(x, gate_up_weight)
+    if kernel == "gemv":
+        return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
+    if kernel == "skinny":
+        return skinny(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
+    gate_up, summed = norm_linear(x, norm[0], norm[1], norm[2], gate_up_weight, gate_up_bias)
+    return silu_mul(gate_up), summed
