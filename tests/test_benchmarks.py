@@ -123,8 +123,9 @@ def test_fanout(run):
 
 
 def test_gpu_diagnostics_name_what_exists(monkeypatch):
-    """profile_step.py and tune_tree_attention.py run on a GPU only; here, every function they time and
-    every attention variant they build must still exist, so a rename breaks this test, not the GPU run."""
+    """profile_step.py, tune_tree_attention.py and tune_skinny.py run on a GPU only; here, every function they
+    time and every attention variant they build must still exist, so a rename breaks this test, not the GPU
+    run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     pytest.importorskip("triton")
     profile_step = importlib.import_module("profile_step")
@@ -137,3 +138,5 @@ def test_gpu_diagnostics_name_what_exists(monkeypatch):
         TritonAttention(**options)
     with pytest.raises(SystemExit, match="GPU"):
         profile_step.main(["--smoke", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="GPU"):
+        importlib.import_module("tune_skinny").main(["--smoke", "--device", "cpu"])

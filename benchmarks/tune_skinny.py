@@ -1,0 +1,191 @@
+"""Tune the few-row tensor-core product (kernels/skinny.py) and measure what it does to a decoder's chain of
+products, against cuBLAS with the norms and the SwiGLU as their own kernels.
+
+1. Each projection shape and the LM head of Qwen3-0.6B and Llama-3.1-8B (bf16, random) at ROWS rows (the
+   CUDA-graph bucket of a 5-leaf search step): cuBLAS (F.linear), skinny at its default settings, and the
+   fastest settings of a sweep. CUDA-graph replays with the L2 flushed (bench_common.kernel_seconds).
+2. The products of every layer of each model (norm + q/k/v, o, norm + gate/up + SwiGLU, down; attention left
+   out, o_proj reads the q columns), distinct weights per layer, as one CUDA graph: cuBLAS with the separate
+   norm and SwiGLU kernels, against skinny with the folds (default settings and each shape's fastest), and
+   skinny only where it folds (cuBLAS for o and down). Floor: the weights' bytes over the copy bandwidth measured here.
+
+    python benchmarks/tune_skinny.py [--rows 8]
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+from torch.nn import functional as F
+
+from bench_common import kernel_seconds, log, measure_floors, parser, setup as make_setup
+from dendrite_nb.kernels import add_rms_norm, rms_norm, silu_mul, skinny
+from dendrite_nb.kernels.skinny import default_config
+
+MODELS = {  # hidden, q width, q/k/v rows, intermediate, layers
+    "0.6b": (1024, 2048, 4096, 3072, 28),
+    "8b": (4096, 4096, 6144, 14336, 32),
+}
+SETTINGS = ([(block_n, block_k, 4, stages) for block_n in (16, 32, 64) for block_k in (64, 128, 256)
+             for stages in (3, 4, 6)] + [(block_n, block_k, 8, 4) for block_n in (64, 128) for block_k in (64, 128)]
+            + [(64, 32, 4, 8), (32, 64, 4, 8), (128, 64, 4, 4), (128, 32, 4, 6), (128, 128, 4, 3), (128, 256, 8, 3)])
+EPS = 1e-6
+
+
+def shapes(model: str) -> dict[str, tuple[int, int, bool]]:
+    hidden, q_width, qkv_rows, intermediate, _ = MODELS[model]
+    return {"qkv": (qkv_rows, hidden, False), "o": (hidden, q_width, False),
+            "gate_up": (2 * intermediate, hidden, True), "down": (hidden, intermediate, False)}
+
+
+LM_HEADS = {"0.6b": (151936, 1024), "8b": (128256, 4096)}  # at a search step's rows, outside the graph
+
+
+def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int, int]]:
+    device, dtype, best = setup.device, torch.bfloat16, {}
+    for model in MODELS:
+        heads = {"lm_head": (*LM_HEADS[model], False)}
+        for name, (out_features, width, swiglu) in {**shapes(model), **heads}.items():
+            weight = torch.randn(out_features, width, device=device, dtype=dtype) * 0.02
+            x = torch.randn(rows, width, device=device, dtype=dtype)
+            norm = (torch.randn_like(x), torch.ones(width, device=device, dtype=dtype), EPS)
+            nbytes = out_features * width * 2
+
+            def figure(seconds: float) -> str:
+                return f"{seconds * 1e6:.1f} us ({nbytes / seconds / 1e12:.2f} TB/s)"
+
+            def ours(setting=None):
+                if name in ("qkv", "gate_up"):
+                    return lambda: skinny(x, weight, norm=norm, swiglu=swiglu, config=setting)
+                return lambda: skinny(x, weight, config=setting)
+
+            if swiglu:
+                theirs = kernel_seconds(lambda: silu_mul(F.linear(add_rms_norm(x, norm[0], norm[1], EPS)[0], weight)),
+                                        device)
+            elif name == "qkv":
+                theirs = kernel_seconds(lambda: F.linear(add_rms_norm(x, norm[0], norm[1], EPS)[0], weight), device)
+            else:
+                theirs = kernel_seconds(lambda: F.linear(x, weight), device)
+            plain = kernel_seconds(lambda: F.linear(x, weight), device)
+            default = kernel_seconds(ours(), device)
+            timed = []
+            for setting in SETTINGS:
+                if setting[1] > max(16, 1 << (width - 1).bit_length()):
+                    continue
+                try:
+                    timed.append((kernel_seconds(ours(setting), device), setting))
+                except Exception as error:  # a setting that does not compile (shared memory): skipped
+                    log(f"  {setting}: {type(error).__name__}")
+            timed.sort()
+            best[(model, name)] = timed[0][1]
+            folds = {"qkv": "norm + product", "gate_up": "norm + product + SwiGLU"}.get(name, "product")
+            chosen = default_config(out_features // (2 if swiglu else 1), width, name in ("qkv", "gate_up"), swiglu)
+            log(f"{model} {name} [{out_features} x {width}] at {rows} rows, {nbytes / 1e6:.1f} MB, floor "
+                f"{nbytes / floors.copy_bytes_per_s * 1e6:.1f} us: cuBLAS product {figure(plain)}; {folds}: cuBLAS "
+                f"path {figure(theirs)}, skinny default {chosen} "
+                f"{figure(default)}")
+            log("  fastest: " + "; ".join(f"{setting} {figure(seconds)}" for seconds, setting in timed[:4]))
+            del weight
+    return best
+
+
+def replay_seconds(fn, device, repeats: int = 15) -> float:
+    """Median seconds of one replay of a CUDA graph of fn() (no L2 flush: the chains' weights are far larger)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times)
+
+
+def chains(setup, floors, rows: int, best) -> None:
+    device, dtype = setup.device, torch.bfloat16
+    for model, (hidden, q_width, qkv_rows, intermediate, count) in MODELS.items():
+        def make(out_features, width):
+            return torch.empty(out_features, width, device=device, dtype=dtype).normal_(0, 0.02)
+        layers = [(make(qkv_rows, hidden), make(hidden, q_width), make(2 * intermediate, hidden),
+                   make(hidden, intermediate), 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype),
+                   1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype)) for _ in range(count)]
+        nbytes = sum(t.numel() * 2 for layer in layers for t in layer[:4])
+        x0 = torch.randn(rows, hidden, device=device, dtype=dtype)
+
+        def cublas_chain():
+            x, residual = x0, None
+            for qkv, o, gate_up, down, norm1, norm2 in layers:
+                if residual is None:
+                    normed, residual = rms_norm(x, norm1, EPS), x
+                else:
+                    normed, residual = add_rms_norm(x, residual, norm1, EPS)
+                x = F.linear(F.linear(normed, qkv)[:, :q_width], o)
+                normed, residual = add_rms_norm(x, residual, norm2, EPS)
+                x = F.linear(silu_mul(F.linear(normed, gate_up)), down)
+            return x, residual
+
+        def skinny_chain(configs, cublas_unfolded=False):
+            def run():
+                x, residual = x0, None
+                for qkv, o, gate_up, down, norm1, norm2 in layers:
+                    h, residual = skinny(x, qkv, norm=(residual, norm1, EPS), config=configs["qkv"])
+                    a = h[:, :q_width]
+                    x = F.linear(a, o) if cublas_unfolded else skinny(a, o, config=configs["o"])
+                    h, residual = skinny(x, gate_up, norm=(residual, norm2, EPS), swiglu=True,
+                                         config=configs["gate_up"])
+                    x = F.linear(h, down) if cublas_unfolded else skinny(h, down, config=configs["down"])
+                return x, residual
+            return run
+
+        defaults = {name: None for name in shapes(model)}
+        tuned = {name: best.get((model, name)) for name in shapes(model)}
+        floor = nbytes / floors.copy_bytes_per_s
+        reference = cublas_chain()
+        check = skinny_chain(tuned)()
+        err = ((check[0].float() - reference[0].float()).abs().max() / reference[0].float().abs().max()).item()
+        log(f"\n{model}: {count} layers' products at {rows} rows, {nbytes / 1e9:.2f} GB, floor {floor * 1e3:.3f} ms "
+            f"(skinny against cuBLAS: max relative difference {err:.2e})")
+        variants = {"cuBLAS + separate norm / SwiGLU kernels": cublas_chain,
+                    "skinny, folds, default settings": skinny_chain(defaults),
+                    "skinny, folds, fastest settings": skinny_chain(tuned),
+                    "skinny for the folds only, cuBLAS o / down": skinny_chain(tuned, cublas_unfolded=True)}
+        for label, fn in variants.items():
+            seconds = replay_seconds(fn, device)
+            log(f"  {label:<45} {seconds * 1e3:.3f} ms = {seconds / floor:.2f}x floor, "
+                f"{nbytes / seconds / 1e12:.2f} TB/s")
+        del layers
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    arguments = parser(__doc__)
+    arguments.add_argument("--rows", type=int, default=8)
+    arguments.add_argument("--skip-sweep", action="store_true", help="only the chains, at default settings")
+    args = arguments.parse_args(argv)
+    setup = make_setup(args)
+    if setup.device.type != "cuda":
+        raise SystemExit("tune_skinny times CUDA kernels; run it on a GPU.")
+    floors = measure_floors(setup, matmul=False)
+    best = {} if args.skip_sweep else sweep(setup, floors, args.rows)
+    log(f"fastest settings: {best}")
+    if args.json:
+        import json
+        with open(args.json, "w") as file:
+            json.dump([[model, name, setting] for (model, name), setting in best.items()], file)
+    chains(setup, floors, args.rows, best)
+
+
+if __name__ == "__main__":
+    main()
