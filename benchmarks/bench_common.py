@@ -139,9 +139,11 @@ L2_FLUSH_BYTES = 256 * 2**20  # larger than any GPU's L2 here (H200: 60 MB)
 GRAPH_CALLS = 20
 
 
-def graph_seconds(fn: Callable[[], Any], device: torch.device, calls: int = GRAPH_CALLS) -> float:
-    """Device seconds per call of fn: a CUDA graph of `calls` x (L2 flush, fn) minus one of the flushes alone."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+def graph_seconds(fn: Callable[[], Any], device: torch.device, calls: int = GRAPH_CALLS,
+                  flush_l2: bool = True) -> float:
+    """Device seconds per call of fn: a CUDA graph of `calls` x (L2 flush, fn) minus one of the flushes alone.
+    flush_l2=False: a graph of `calls` x fn alone (for work whose bytes dwarf the L2 anyway)."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device) if flush_l2 else None
     fn()   # compiles and allocates outside the capture
     torch.cuda.synchronize(device)
 
@@ -149,7 +151,8 @@ def graph_seconds(fn: Callable[[], Any], device: torch.device, calls: int = GRAP
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(calls):
-                flush.zero_()
+                if flush is not None:
+                    flush.zero_()
                 if with_fn:
                     fn()
         graph.replay()
@@ -163,7 +166,8 @@ def graph_seconds(fn: Callable[[], Any], device: torch.device, calls: int = GRAP
             times.append(start.elapsed_time(stop) / 1e3)
         return statistics.median(times)
 
-    return max(replay_seconds(True) - replay_seconds(False), 0.0) / calls
+    flush_seconds = replay_seconds(False) if flush_l2 else 0.0
+    return max(replay_seconds(True) - flush_seconds, 0.0) / calls
 
 
 # ---- floors -----------------------------------------------------------------------------------

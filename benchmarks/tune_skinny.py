@@ -13,12 +13,10 @@ products, against cuBLAS with the norms and the SwiGLU as their own kernels.
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 from torch.nn import functional as F
 
-from bench_common import kernel_seconds, log, measure_floors, parser, setup as make_setup
+from bench_common import graph_seconds, kernel_seconds, log, measure_floors, parser, setup as make_setup
 from dendrite_nb.kernels import add_rms_norm, rms_norm, silu_mul, skinny
 from dendrite_nb.kernels.skinny import default_config
 
@@ -89,30 +87,6 @@ def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int
     return best
 
 
-def replay_seconds(fn, device, repeats: int = 15) -> float:
-    """Median seconds of one replay of a CUDA graph of fn() (no L2 flush: the chains' weights are far larger)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return statistics.median(times)
-
-
 def chains(setup, floors, rows: int, best) -> None:
     device, dtype = setup.device, torch.bfloat16
     for model, (hidden, q_width, qkv_rows, intermediate, count) in MODELS.items():
@@ -162,7 +136,7 @@ def chains(setup, floors, rows: int, best) -> None:
                     "skinny, folds, fastest settings": skinny_chain(tuned),
                     "skinny for the folds only, cuBLAS o / down": skinny_chain(tuned, cublas_unfolded=True)}
         for label, fn in variants.items():
-            seconds = replay_seconds(fn, device)
+            seconds = graph_seconds(fn, device, calls=3, flush_l2=False)
             log(f"  {label:<45} {seconds * 1e3:.3f} ms = {seconds / floor:.2f}x floor, "
                 f"{nbytes / seconds / 1e12:.2f} TB/s")
         del layers

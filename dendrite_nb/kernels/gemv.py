@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_arguments, wait_for_inputs
+from .swiglu import silu_times_up
 
 MAX_ROWS = 4  # the most rows gemv() takes
 ACC_ELEMENTS = 8192  # BLOCK_N x BLOCK_K float32 accumulators per program (64 registers a thread at 4 warps)
@@ -109,9 +110,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
         up = tl.sum(acc_up, 1)
         if HAS_BIAS:
             up += tl.load(b_ptr + N + n, mask=n_valid, other=0.0).to(tl.float32)
-        gate = y.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = silu * up.to(dtype).to(tl.float32)
+        y = silu_times_up(y, up, dtype)
     tl.store(y_ptr + row * stride_ym + n, y.to(dtype), mask=n_valid)
 
 

@@ -26,6 +26,7 @@ from triton.runtime.errors import OutOfResources
 
 from .gemv import _weight_tile, check_folds
 from .pdl import pdl_arguments, wait_for_inputs
+from .swiglu import silu_times_up
 
 MIN_ROWS, MAX_ROWS = 2, 16  # the rows skinny() takes; fewer go to gemv, more to cuBLAS
 BLOCK_M = 16  # x's rows padded to tl.dot's smallest tile
@@ -82,9 +83,7 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, M, N, K
         up_y = acc_up
         if HAS_BIAS:
             up_y += tl.load(b_ptr + N + n, mask=n_valid, other=0.0).to(tl.float32)[:, None]
-        gate = y.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = silu * up_y.to(dtype).to(tl.float32)
+        y = silu_times_up(y, up_y, dtype)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], y.to(dtype), mask=n_valid[:, None] & m_valid[None, :])
 
 

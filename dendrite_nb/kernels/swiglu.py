@@ -15,6 +15,15 @@ MAX_BLOCK = 1024  # columns per program: wide rows (intermediate 14,336) split a
 
 
 @triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in float32, rounded as MLP.forward rounds: gate and up as the activation dtype holds them,
+    silu rounded to it (as F.silu returns it). The folded GEMV and few-row products end with this too."""
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return silu * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, in_stride, out_stride, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -22,10 +31,9 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, in_stride, out_stride, width, BLOCK: 
     mask = cols < width
     dtype = out_ptr.dtype.element_ty
     src = gate_up_ptr + row * in_stride + cols
-    gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(src + width, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (silu * up).to(dtype), mask=mask)
+    gate = tl.load(src, mask=mask, other=0.0)
+    up = tl.load(src + width, mask=mask, other=0.0)
+    tl.store(out_ptr + row * out_stride + cols, silu_times_up(gate, up, dtype).to(dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
