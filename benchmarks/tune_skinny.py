@@ -27,6 +27,7 @@ MODELS = {  # hidden, q width, q/k/v rows, intermediate, layers
 SETTINGS = ([(block_n, block_k, 4, stages) for block_n in (16, 32, 64) for block_k in (64, 128, 256)
              for stages in (3, 4, 6)] + [(block_n, block_k, 8, 4) for block_n in (64, 128) for block_k in (64, 128)]
             + [(64, 32, 4, 8), (32, 64, 4, 8), (128, 64, 4, 4), (128, 32, 4, 6), (128, 128, 4, 3), (128, 256, 8, 3)])
+SPLITS = (1, 2, 3, 4, 6, 8)  # split-K's ways tried on each shape's fastest settings
 EPS = 1e-6
 
 
@@ -52,10 +53,10 @@ def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int
             def figure(seconds: float) -> str:
                 return f"{seconds * 1e6:.1f} us ({nbytes / seconds / 1e12:.2f} TB/s)"
 
-            def ours(setting=None):
+            def ours(setting=None, splits=None):
                 if name in ("qkv", "gate_up"):
-                    return lambda: skinny(x, weight, norm=norm, swiglu=swiglu, config=setting)
-                return lambda: skinny(x, weight, config=setting)
+                    return lambda: skinny(x, weight, norm=norm, swiglu=swiglu, config=setting, splits=splits)
+                return lambda: skinny(x, weight, config=setting, splits=splits)
 
             if swiglu:
                 theirs = kernel_seconds(lambda: silu_mul(F.linear(add_rms_norm(x, norm[0], norm[1], EPS)[0], weight)),
@@ -66,6 +67,7 @@ def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int
                 theirs = kernel_seconds(lambda: F.linear(x, weight), device)
             plain = kernel_seconds(lambda: F.linear(x, weight), device)
             default = kernel_seconds(ours(), device)
+            unsplit = kernel_seconds(ours(splits=1), device)
             timed = []
             for setting in SETTINGS:
                 if setting[1] > max(16, 1 << (width - 1).bit_length()):
@@ -75,14 +77,19 @@ def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int
                 except Exception as error:  # a setting that does not compile (shared memory): skipped
                     log(f"  {setting}: {type(error).__name__}")
             timed.sort()
+            # Split-K's ways for the four fastest settings (the sweep above ran each at its default ways).
+            split_timed = sorted((kernel_seconds(ours(setting, ways), device), setting, ways)
+                                 for _, setting in timed[:4] for ways in SPLITS)
             best[(model, name)] = timed[0][1]
             folds = {"qkv": "norm + product", "gate_up": "norm + product + SwiGLU"}.get(name, "product")
             chosen = default_config(out_features // (2 if swiglu else 1), width, name in ("qkv", "gate_up"), swiglu)
             log(f"{model} {name} [{out_features} x {width}] at {rows} rows, {nbytes / 1e6:.1f} MB, floor "
                 f"{nbytes / floors.copy_bytes_per_s * 1e6:.1f} us: cuBLAS product {figure(plain)}; {folds}: cuBLAS "
                 f"path {figure(theirs)}, skinny default {chosen} "
-                f"{figure(default)}")
+                f"{figure(default)} (split-K off: {figure(unsplit)})")
             log("  fastest: " + "; ".join(f"{setting} {figure(seconds)}" for seconds, setting in timed[:4]))
+            log("  fastest with split-K's ways: " + "; ".join(f"{setting} x{ways} {figure(seconds)}"
+                                                          for seconds, setting, ways in split_timed[:4]))
             del weight
     return best
 
@@ -110,16 +117,17 @@ def chains(setup, floors, rows: int, best) -> None:
                 x = F.linear(silu_mul(F.linear(normed, gate_up)), down)
             return x, residual
 
-        def skinny_chain(configs, cublas_unfolded=False):
+        def skinny_chain(configs, cublas_unfolded=False, splits=None):
             def run():
                 x, residual = x0, None
                 for qkv, o, gate_up, down, norm1, norm2 in layers:
-                    h, residual = skinny(x, qkv, norm=(residual, norm1, EPS), config=configs["qkv"])
+                    h, residual = skinny(x, qkv, norm=(residual, norm1, EPS), config=configs["qkv"], splits=splits)
                     a = h[:, :q_width]
-                    x = F.linear(a, o) if cublas_unfolded else skinny(a, o, config=configs["o"])
+                    x = F.linear(a, o) if cublas_unfolded else skinny(a, o, config=configs["o"], splits=splits)
                     h, residual = skinny(x, gate_up, norm=(residual, norm2, EPS), swiglu=True,
-                                         config=configs["gate_up"])
-                    x = F.linear(h, down) if cublas_unfolded else skinny(h, down, config=configs["down"])
+                                         config=configs["gate_up"], splits=splits)
+                    x = F.linear(h, down) if cublas_unfolded else skinny(h, down, config=configs["down"],
+                                                                        splits=splits)
                 return x, residual
             return run
 
@@ -133,6 +141,7 @@ def chains(setup, floors, rows: int, best) -> None:
             f"(skinny against cuBLAS: max relative difference {err:.2e})")
         variants = {"cuBLAS + separate norm / SwiGLU kernels": cublas_chain,
                     "skinny, folds, default settings": skinny_chain(defaults),
+                    "skinny, folds, default settings, no split-K": skinny_chain(defaults, splits=1),
                     "skinny, folds, fastest settings": skinny_chain(tuned),
                     "skinny for the folds only, cuBLAS o / down": skinny_chain(tuned, cublas_unfolded=True)}
         for label, fn in variants.items():

@@ -35,6 +35,14 @@ VARIANTS = [
     ("merge 2 warps", {"merge_block": (1, 8, 2)}),
     ("merge 4 heads", {"merge_block": (4, 8, 2)}),
     ("merge 4 slots", {"merge_block": (1, 4, 1)}),
+    # Narrower widest tiles: more tiles of a many-row segment read each chunk (from L2), but each program holds
+    # a smaller accumulator, and fewer, longer chunks fill the GPU (fewer partials to write and merge).
+    ("tiles 16/64", {"tile_widths": (64,)}),
+    ("tiles 16/64, 1/SM", {"tile_widths": (64,), "programs_per_sm": 1}),
+    ("tiles 16/64, 3/SM", {"tile_widths": (64,), "programs_per_sm": 3}),
+    ("tiles 16/64, 4 stages", {"tile_widths": (64,), "wide_launch": (4, 4)}),
+    ("tiles 16/64, n 128 8w", {"tile_widths": (64,), "wide_launch": (8, 2), "wide_block_n": 128}),
+    ("tiles 16/32", {"tile_widths": (32,)}),
 ]
 
 

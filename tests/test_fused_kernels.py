@@ -224,6 +224,65 @@ def test_skinny_matches_f_linear_and_the_separate_kernels_it_folds(rows, with_re
     assert rel_err(kernels.skinny(x, weight, bias), F.linear(x, weight, bias)) < FLOAT32_TOL
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_skinny_split_k_matches_one_program_per_tile_and_leaves_its_counters_at_zero(splits):
+    """Split-K: K's 8 chunks of 128 cut into `splits` ranges (3 ways: 3 + 3 + 2 chunks; 8: one each), the last
+    program of each tile adds the partials. With the norm, its squares are split too and added before rstd."""
+    skinny_module = importlib.import_module("dendrite_nb.kernels.skinny")
+    x, residual = random(5, 1000) * 3, random(5, 1000, seed=1)
+    norm_weight, weight, bias = 1 + 0.1 * random(1000, seed=2), random(600, 1000, seed=3), random(600, seed=4)
+    config = (16, 128, 4, 2)
+    expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(x, residual, norm_weight,
+                                                                                      weight, bias)
+    assert rel_err(kernels.skinny(x, weight, bias, config=config, splits=splits), F.linear(x, weight, bias)) \
+        < FLOAT32_TOL
+    product, stream = kernels.skinny(x, weight, bias, norm=(residual, norm_weight, 1e-6), config=config,
+                                     splits=splits)
+    assert rel_err(product, expected_product) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+    swiglu, stream = kernels.skinny(x, weight, bias, norm=(residual, norm_weight, 1e-6), swiglu=True,
+                                    config=config, splits=splits)
+    assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+    # The partials add up in split order, whichever program finishes last: a second call gives the same bits.
+    again, _ = kernels.skinny(x, weight, bias, norm=(residual, norm_weight, 1e-6), swiglu=True, config=config,
+                              splits=splits)
+    assert torch.equal(again, swiglu)
+    assert int(skinny_module._TICKETS[x.device].abs().sum()) == 0  # every tile's counter set back for the next launch
+
+
+def test_skinny_splits_k_only_where_the_tiles_leave_the_gpu_idle(monkeypatch):
+    """default_splits on an H200's 132 multiprocessors and 228 KiB of shared memory each (no GPU needed)."""
+    skinny_module = importlib.import_module("dendrite_nb.kernels.skinny")
+    monkeypatch.setattr(skinny_module, "_multiprocessors", lambda device: (132, 228 * 1024))
+    cuda = torch.device("cuda")
+
+    def ways(out_features, width, norm=False, swiglu=False):
+        config = skinny_module.default_config(out_features, width, norm, swiglu)
+        tiles, chunks = -(-out_features // config[0]), -(-width // config[1])
+        return skinny_module.default_splits(config, tiles, chunks, swiglu, cuda)
+
+    # 0.6B: 16 to 64 tiles for 132 multiprocessors: K is cut, at least 2 chunks a split.
+    assert [ways(4096, 1024, norm=True), ways(1024, 2048), ways(3072, 1024, True, True), ways(1024, 3072)] == \
+        [2, 8, 6, 12]
+    # 8B: one program per multiprocessor (deep pipelines) and 96 to 448 tiles: a split would need a second wave.
+    assert [ways(6144, 4096, norm=True), ways(4096, 4096), ways(14336, 4096, True, True), ways(4096, 14336)] == \
+        [1, 1, 1, 1]
+    assert ways(151936, 1024) == 1  # an LM head's thousands of tiles
+    assert skinny_module.default_splits((64, 128, 4, 4), 16, 16, False, torch.device("cpu")) == 1  # interpreter
+
+
+def test_skinny_refuses_bad_split_counts_and_writes_nothing():
+    skinny_module = importlib.import_module("dendrite_nb.kernels.skinny")
+    x, weight = random(4, 64), random(32, 64, seed=1)
+    before = {device: counters.clone() for device, counters in skinny_module._TICKETS.items()}
+    for splits in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="splits"):
+            kernels.skinny(x, weight, splits=splits)
+    assert before.keys() == skinny_module._TICKETS.keys()
+    assert all(torch.equal(before[device], skinny_module._TICKETS[device]) for device in before)
+    # More ways than K has chunks: one chunk each (64 columns at BLOCK_K 32: 2 ways, not 5).
+    assert rel_err(kernels.skinny(x, weight, config=(16, 32, 4, 2), splits=5), F.linear(x, weight)) < FLOAT32_TOL
+
+
 def test_products_go_to_gemv_skinny_or_cublas_by_rows():
     weight = random(64, 32)
     assert [kernels.product_kernel(random(rows, 32), weight) for rows in (1, 2, 16, 17)] == \
@@ -394,11 +453,18 @@ def test_kernels_match_reference_on_cuda_at_real_sizes(dtype, tol):
     reference = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
     assert rel_err(kernels.silu_mul(gate_up), reference) < tol
 
-    for out_features, in_features in ((6144, hidden), (hidden, 4096), (2 * intermediate, hidden), (hidden, intermediate)):
+    shapes = ((6144, hidden), (hidden, 4096), (2 * intermediate, hidden), (hidden, intermediate),
+              (1024, 2048))  # the last, a 0.6B o_proj: skinny splits its K by default
+    for out_features, in_features in shapes:
         weight = random(out_features, in_features, dtype=dtype, seed=5)
         for rows in (1, 4):
             x = random(rows, in_features, dtype=dtype, seed=6)
             assert rel_err(kernels.gemv(x, weight), F.linear(x, weight)) < tol
+        # skinny at its defaults: split-K on the projections whose tiles alone leave multiprocessors idle
+        x = random(5, in_features, dtype=dtype, seed=6)
+        assert rel_err(kernels.skinny(x, weight), F.linear(x, weight)) < tol
+        for splits in (1, 3):
+            assert rel_err(kernels.skinny(x, weight, splits=splits), F.linear(x, weight)) < tol
     # The norm (with the residual) and the SwiGLU folded into the GEMV, at 8B sizes: hidden -> 2 x intermediate.
     weight, norm_weight = random(2 * intermediate, hidden, dtype=dtype, seed=7), random(hidden, dtype=dtype, seed=8)
     for rows in (1, 4):
@@ -485,6 +551,28 @@ def test_fused_forward_has_no_host_sync_and_replays_as_a_cuda_graph():
     positions.add_(5000)
     graph.replay()
     assert torch.equal(hidden, model(input_ids, positions, kv_layers, backend, None))
+
+
+@pytest.mark.gpu
+def test_split_k_products_in_captured_steps_match_the_reference_engine():
+    """0.6B-wide layers (hidden 1024): skinny cuts K of every projection of a 5-leaf step (default_splits), and
+    the steps replay as CUDA graphs. Float32 greedy tokens equal the torch reference's, logits within 1e-4."""
+    skinny_module = importlib.import_module("dendrite_nb.kernels.skinny")
+    config = REAL_SHAPES["qwen3-0.6b"].hf_config(num_hidden_layers=2, vocab_size=512)
+    engines = [Engine.from_random(config, device="cuda", dtype="float32", num_blocks=256, block_size=16,
+                                  attention=attention, cuda_graphs=graphs)
+               for attention, graphs in (("torch", False), ("triton", True))]
+    engines[0].model.use_fused_kernels(False)
+    engines[1].model.use_fused_kernels(True)
+    results = []
+    for eng in engines:
+        trunk = eng.new_branch("trunk", list(range(1, 40)))
+        kids = eng.fork(trunk, 5)
+        results.append((eng.generate(kids, 16, GREEDY), eng.next_logits(kids)))
+    assert results[0][0] == results[1][0]
+    assert rel_err(results[1][1], results[0][1]) < FLOAT32_TOL
+    assert engines[1]._graphs.captures >= 1
+    assert int(skinny_module._TICKETS[torch.device("cuda", 0)].abs().sum()) == 0
 
 
 @pytest.mark.gpu

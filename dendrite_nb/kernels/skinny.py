@@ -16,8 +16,16 @@ row, so each chunk of the stream s (x + residual) feeds the product and the sum 
 the rstd scales the products at the end. Two passes (rstd first, as gemv.py does) cost a serial read of x
 in every program. So the rounding differs from the separate kernels' in one place: weight * s is rounded
 to x's dtype where they round rmsnorm(s) and then weight * rmsnorm(s). The SwiGLU rounds as swiglu.py does.
+
+Split-K, for small products: a 0.6B projection is 16 to 64 tiles of W's rows, so most of an H200's 132
+multiprocessors would idle. Programs then also split K, and the last program of each tile to finish adds the
+partials up in split order (deterministic) and runs the epilogue; no second kernel. On an H200 a 0.6B
+model's chain of products at 8 rows went from 0.83 to 0.67 ms with it (benchmarks/REPORT.md). An 8B
+projection is not split: its programs hold one multiprocessor each, and a second wave of them costs more.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -30,16 +38,24 @@ from .swiglu import silu_times_up
 
 MIN_ROWS, MAX_ROWS = 2, 16  # the rows skinny() takes; fewer go to gemv, more to cuBLAS
 BLOCK_M = 16  # x's rows padded to tl.dot's smallest tile
+# Split-K (default_splits, _gather_splits): for products whose tiles along N alone leave multiprocessors idle.
+SPLIT_PROGRAMS_PER_SM = 2
+MIN_SPLIT_CHUNKS = 2  # BLOCK_K chunks per split at least, so each program still pipelines its loads
+SMALL_PRODUCT = 8 << 20  # out_features x width up to which a product takes default_config's small settings
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                    stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
                    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):
     # N: output features (with SWIGLU, the intermediate size; W then has 2N rows, gate above up).
+    # Program (pid_n, pid_k) owns rows [pid_n * BLOCK_N, +BLOCK_N) of W and columns [pid_k * K_SPLIT, +K_SPLIT).
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
     dtype = y_ptr.dtype.element_ty
     m = tl.arange(0, BLOCK_M)
     m_valid = m < M  # padding rows are masked: they load nothing and are never stored
@@ -54,9 +70,9 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, M, N, K
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWIGLU only
     squares = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)  # NORM only
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_valid = k < K
+        k_valid = k < k_hi
         mask = k_valid[:, None] & m_valid[None, :]
         w, up = _weight_tile(w_rows, N * stride_wn, k, n_valid[:, None] & k_valid[None, :], SWIGLU)
         x = tl.load(x_cols + k[:, None], mask=mask, other=0.0)
@@ -72,8 +88,24 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, M, N, K
         acc = tl.dot(w, x, acc, input_precision=PRECISION)
         if SWIGLU:
             acc_up = tl.dot(up, x, acc_up, input_precision=PRECISION)
+    row_squares = tl.sum(squares, 0)  # [BLOCK_M]; NORM only
+    if SPLITS > 1:  # the last of a tile's SPLITS programs to finish adds up their partials, in split order
+        acc, acc_up, row_squares, last = _gather_splits(acc, acc_up, row_squares, part_ptr, count_ptr, pid_n,
+                                                        pid_k, NORM, SWIGLU, BLOCK_M, BLOCK_N, SPLITS)
+        if last:
+            _finish(acc, acc_up, row_squares, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps, dtype,
+                    HAS_BIAS, NORM, SWIGLU)
+    else:
+        _finish(acc, acc_up, row_squares, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps, dtype,
+                HAS_BIAS, NORM, SWIGLU)
+
+
+@triton.jit
+def _finish(acc, acc_up, row_squares, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps,
+            dtype: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr):
+    """The epilogue: the norm's rstd, the bias, the SwiGLU, the store of y's [BLOCK_N, BLOCK_M] tile."""
     if NORM:  # weight * rmsnorm(s) @ W.T = rstd * ((weight * s) @ W.T), row by row
-        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)[None, :]
+        rstd = tl.rsqrt(row_squares / K + eps)[None, :]
         acc *= rstd
         acc_up *= rstd
     y = acc
@@ -87,13 +119,56 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, M, N, K
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], y.to(dtype), mask=n_valid[:, None] & m_valid[None, :])
 
 
+@triton.jit
+def _gather_splits(acc, acc_up, row_squares, part_ptr, count_ptr, pid_n, pid_k, NORM: tl.constexpr,
+                   SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """Split-K's reduction without a second kernel: each program of tile pid_n stores its float32 partials,
+    then takes a ticket from the tile's counter; the one holding the last ticket reads every split's partials
+    back (from L2: .cg) and adds them in split order, so the result does not depend on which program finished
+    last. It sets the counter back to 0 for the next launch. Returns (acc, acc_up, row_squares, last)."""
+    # Partials [tiles, SPLITS, 3 parts (product, up product, squares), BLOCK_N, BLOCK_M], float32.
+    r = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tile_ptr = part_ptr + pid_n.to(tl.int64) * (SPLITS * 3 * BLOCK_N * BLOCK_M)
+    mine = tile_ptr + pid_k * (3 * BLOCK_N * BLOCK_M)
+    tl.store(mine + r, acc)
+    if SWIGLU:
+        tl.store(mine + BLOCK_N * BLOCK_M + r, acc_up)
+    if NORM:
+        tl.store(mine + 2 * BLOCK_N * BLOCK_M + tl.arange(0, BLOCK_M), row_squares)
+    tl.debug_barrier()  # every thread's stores precede the ticket, whose release publishes them
+    ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    last = ticket == SPLITS - 1
+    if last:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        row_squares = tl.zeros([BLOCK_M], tl.float32)
+        for split in tl.static_range(SPLITS):
+            theirs = tile_ptr + split * (3 * BLOCK_N * BLOCK_M)
+            acc += tl.load(theirs + r, cache_modifier=".cg")
+            if SWIGLU:
+                acc_up += tl.load(theirs + BLOCK_N * BLOCK_M + r, cache_modifier=".cg")
+            if NORM:
+                row_squares += tl.load(theirs + 2 * BLOCK_N * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
+        tl.store(count_ptr + pid_n, 0)
+    return acc, acc_up, row_squares, last
+
+
 def default_config(out_features: int, width: int, norm: bool = False,
                    swiglu: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product: the fastest of a sweep of
-    30 settings at 8 rows over the 0.6B and 8B projections and LM heads (H200, L2 flushed,
-    benchmarks/REPORT.md), within 3% of each shape's own fastest. The folded norm takes more rows of W per
-    program (its x chunk costs more, so each serves more of W); an LM head, narrower chunks."""
-    if swiglu:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product, from sweeps of 30 settings
+    at 8 rows over the 0.6B and 8B projections and LM heads (H200, benchmarks/REPORT.md). A large product
+    (8B) streams W best in wide tiles with deep pipelines, one program per multiprocessor; the folded norm
+    takes more rows of W per program (its x chunk costs more, so each serves more of W), an LM head narrower
+    chunks. A small one (0.6B, at most SMALL_PRODUCT elements) has too few tiles to fill the GPU whatever
+    their size: it takes 64 rows of W per program and shallower pipelines, and default_splits cuts its K."""
+    if out_features * width <= SMALL_PRODUCT:
+        if swiglu:
+            block_n, block_k, warps, stages = 64, 64, 4, 3
+        elif norm:
+            block_n, block_k, warps, stages = 64, 256, 4, 3
+        else:
+            block_n, block_k, warps, stages = 64, 128, 4, 4
+    elif swiglu:
         block_n, block_k, warps, stages = 64, 128, 8, 4
     elif norm:
         block_n, block_k, warps, stages = 64, 256, 4, 4
@@ -121,21 +196,66 @@ def smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, in
 _FITTED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
+def default_splits(config: tuple[int, int, int, int], tiles: int, chunks: int, swiglu: bool,
+                   device: torch.device) -> int:
+    """Split-K's ways for a product of `tiles` programs along N and `chunks` BLOCK_K chunks of K at `config`:
+    as many as keep every program resident at once (by the shared memory its stages take) and give the GPU
+    about SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with at least MIN_SPLIT_CHUNKS chunks. A
+    split that needs a second wave of programs loses (an 8B q/k/v at 1 program per multiprocessor: 27 us with
+    3 ways against 20 without, H200), so a large setting over many tiles is not split. None on the CPU."""
+    if device.type != "cuda":
+        return 1
+    sms, shared_bytes = _multiprocessors(device)
+    block_n, block_k, _, stages = config
+    stage_bytes = ((2 if swiglu else 1) * block_n + BLOCK_M) * block_k * 2  # W tile(s) and x chunk, 16-bit
+    resident = max(1, shared_bytes // (stages * stage_bytes))
+    return max(1, min(chunks // MIN_SPLIT_CHUNKS, resident * sms // tiles,
+                      -(-SPLIT_PROGRAMS_PER_SM * sms // tiles)))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> tuple[int, int]:
+    """(multiprocessors, shared memory bytes per multiprocessor) of a CUDA device."""
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, getattr(properties, "shared_memory_per_multiprocessor", 228 * 1024)
+
+
+# Per device: int32 counters, one per tile of W, all 0 between launches (each launch's last programs set
+# theirs back). Launches share them: a launch touches its counters only after its wait for the kernel
+# before it (pdl.py), so two launches never use them at once.
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
+    counters = _TICKETS.get(device)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny's split-K counters must exist before a CUDA graph is captured: run the "
+                               "same product once outside the capture first (a warm-up step does).")
+        counters = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
+        _TICKETS[device] = counters
+    return counters
+
+
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, swiglu: bool = False,
-           config: tuple[int, int, int, int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           config: tuple[int, int, int, int] | None = None,
+           splits: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, contiguous rows) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype.
 
     norm and swiglu as in gemv(): with norm = (residual or None, norm_weight, eps) the product reads
     weight * rmsnorm(x + residual) and the call returns (y, x + residual); with swiglu, weight is gate rows
     above up rows and y is silu(gate) * up. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), for tuning;
     a setting that needs more shared memory than this GPU has steps down (smaller_config) until one fits.
+    splits: split-K's ways (None: default_splits); K is cut into that many ranges of whole BLOCK_K chunks.
     """
     rows, width = x.shape
     if not MIN_ROWS <= rows <= MAX_ROWS or weight.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"skinny takes x [{MIN_ROWS} <= M <= {MAX_ROWS}, K] and weight [N, K] with contiguous "
                          f"rows; got {tuple(x.shape)} (strides {x.stride()}) and {tuple(weight.shape)} (strides "
                          f"{weight.stride()}).")
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"splits is a whole number of at least 1 (or None for the default), got {splits!r}.")
     out_features = check_folds(x, weight, norm, swiglu)
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
     y = x.new_empty(rows, out_features)
@@ -145,7 +265,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = _FITTED.get(key, requested)
     while True:
         try:
-            _launch(config, x, residual, norm_weight, summed, weight, bias, y, eps, norm is not None, swiglu)
+            _launch(config, splits, x, residual, norm_weight, summed, weight, bias, y, eps, norm is not None, swiglu)
             break
         except OutOfResources:
             config = smaller_config(config)
@@ -157,16 +277,26 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y, (summed if summed is not None else x)
 
 
-def _launch(config, x, residual, norm_weight, summed, weight, bias, y, eps, norm: bool, swiglu: bool) -> None:
+def _launch(config, splits, x, residual, norm_weight, summed, weight, bias, y, eps, norm: bool, swiglu: bool) -> None:
     block_n, block_k, warps, stages = config
     rows, width = x.shape
     out_features = y.shape[1]
-    _skinny_kernel[(triton.cdiv(out_features, block_n),)](
+    tiles, chunks = triton.cdiv(out_features, block_n), triton.cdiv(width, block_k)
+    splits = min(splits or default_splits(config, tiles, chunks, swiglu, x.device), chunks)
+    chunks_per_split = triton.cdiv(chunks, splits)
+    splits = triton.cdiv(chunks, chunks_per_split)  # no split left without columns
+    if splits > 1:
+        partials = torch.empty(tiles * splits * 3 * block_n * BLOCK_M, dtype=torch.float32, device=x.device)
+        tickets = _tickets(x.device, tiles)
+    else:
+        partials = tickets = y  # never read
+    _skinny_kernel[(tiles, splits)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-        summed if summed is not None else y, weight, bias if bias is not None else weight, y, rows, out_features,
-        width, x.stride(0), residual.stride(0) if residual is not None else 0,
+        summed if summed is not None else y, weight, bias if bias is not None else weight, y, partials, tickets,
+        rows, out_features, width, chunks_per_split * block_k,
+        x.stride(0), residual.stride(0) if residual is not None else 0,
         summed.stride(0) if summed is not None else 0, weight.stride(0), y.stride(0), eps,
         HAS_BIAS=bias is not None, NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         **pdl_arguments(x))
