@@ -221,8 +221,10 @@ def _multiprocessors(device: torch.device) -> tuple[int, int]:
 
 
 # Per device: int32 counters, one per tile of W, all 0 between launches (each launch's last programs set
-# theirs back). Launches share them: a launch touches its counters only after its wait for the kernel
-# before it (pdl.py), so two launches never use them at once.
+# theirs back). Launches share them: in one stream a launch touches its counters only after the kernel before
+# it has finished (stream order, or its wait under PDL: pdl.py), so two launches never use them at once. The
+# engine runs its forwards in one stream at a time; two streams running split products together on one
+# device would need counters of their own.
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
