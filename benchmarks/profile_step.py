@@ -106,8 +106,15 @@ class HostTimers:
             setattr(owner, name, original)
 
 
-def gpu_kernels(engine, leaves, steps: int, sampling: SamplingParams, device: torch.device) -> tuple[list[tuple[str, float, int]], float, float]:
-    """(name, device ms per step, launches per step) by kernel, busy ms per step, wall ms per step."""
+def gpu_kernels(engine, leaves, steps: int, sampling: SamplingParams,
+                device: torch.device) -> tuple[list[tuple[str, float, float, int]], float, float]:
+    """(name, device ms per step, ms per step it extends the busy time by, launches per step) by kernel, busy
+    ms per step, wall ms per step.
+
+    Under PDL a kernel starts while the one before it runs and waits inside, so device times overlap and
+    do not add up to the step. The second figure does: walking the kernels in order of their end, each is
+    charged only the time by which it moves the end of the GPU's busy time (its own time past the end of
+    everything before it), so the figures sum to the busy time and show the chain a step waits on."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
@@ -116,22 +123,24 @@ def gpu_kernels(engine, leaves, steps: int, sampling: SamplingParams, device: to
         engine.generate(leaves, steps, sampling)
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - started
-    kernels = collections.defaultdict(lambda: [0.0, 0])
-    busy = []
+    kernels = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    spans = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
-            entry = kernels[event.name[:70]]
-            entry[0] += event.device_time_total
-            entry[1] += 1
-            busy.append((event.time_range.start, event.time_range.end))
-    busy.sort()
-    covered, end = 0.0, float("-inf")   # union of kernel intervals (us)
-    for start, stop in busy:
+            name = event.name[:70]
+            kernels[name][0] += event.device_time_total
+            kernels[name][2] += 1
+            spans.append((event.time_range.end, event.time_range.start, name))
+    spans.sort()
+    covered, end = 0.0, float("-inf")   # union of kernel intervals (us), charged to the kernel that extends it
+    for stop, start, name in spans:
         if stop > end:
-            covered += stop - max(start, end)
+            extends = stop - max(start, end)
+            kernels[name][1] += extends
+            covered += extends
             end = stop
-    rows = sorted(((name, us / 1e3 / steps, count // steps) for name, (us, count) in kernels.items()),
-                  key=lambda row: -row[1])
+    rows = sorted(((name, us / 1e3 / steps, chain_us / 1e3 / steps, count // steps)
+                   for name, (us, chain_us, count) in kernels.items()), key=lambda row: -row[2])
     return rows, covered / 1e3 / steps, wall * 1e3 / steps
 
 
@@ -211,8 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         rows, busy_ms, wall_ms = gpu_kernels(engine, leaves, args.steps, sampling, setup.device)
         log(f"  GPU: busy {busy_ms:.3f} ms of {wall_ms:.3f} ms wall per step (profiled; idle "
             f"{wall_ms - busy_ms:.3f} ms)")
-        for name, ms, count in rows[:14]:
-            log(f"    {ms:8.3f} ms  x{count:<4} {name}")
+        log(f"    {'device ms':>9} {'chain ms':>8}  launches  kernel   (chain: the busy time it adds; sums to busy)")
+        for name, ms, chain_ms, count in rows[:16]:
+            log(f"    {ms:9.3f} {chain_ms:8.3f}  x{count:<7} {name}")
         log("  attention alone, one layer:")
         attention_parts(engine, leaves, setup.device)
         del engine, model

@@ -312,16 +312,19 @@ class Engine:
             branch.priority = float(priority)
 
     def _child_names(self, parent: str, count: int) -> list[str]:
-        prefix = parent + "/"
+        prefix, taken = parent + "/", self.branch_tree.branches
         names = [prefix + index for index in _index_text(count)]
-        if self.branch_tree.branches.keys().isdisjoint(names):  # the usual case, in one pass
+        if taken.keys().isdisjoint(names):  # the usual case, in one pass
             return names
-        names, index = [], 0
+        # Some are taken (a second fork of the same parent): the lowest free indices, in order, found a
+        # batch of `count` candidates at a time (one name at a time doubled a 1,000-child fork's cost).
+        names = [name for name in names if name not in taken]
+        start = count
         while len(names) < count:
-            if f"{parent}/{index}" not in self.branch_tree.branches:
-                names.append(f"{parent}/{index}")
-            index += 1
-        return names
+            batch = _index_text(start + count)[start:]
+            names += [name for name in map(prefix.__add__, batch) if name not in taken]
+            start += count
+        return names[:count]
 
     def prune(self, *branches: BranchRef | Sequence[BranchRef]) -> int:
         """Remove branches; frees the blocks nothing else reaches. Returns how many blocks were freed."""

@@ -89,7 +89,7 @@ def test_tree_attention(run):
 def test_fork_decode(run):
     payload, _ = run("fork_decode")
     table = {r["what"].strip(): r for r in rows(payload)}
-    assert table["fork x20 (one call)"]["ms"] > 0
+    assert table["fork x20 (one call)"]["ms"] > 0 and table["fork x20, back to back"]["ms"] > 0
     first = table["first step, 20 leaves"]
     assert first["ms"] > 0 and first["floor_ms"] > 0
     blocks = table["blocks in use"]

@@ -100,3 +100,18 @@ def test_numbered_forks_skip_taken_names_and_count_past_any_cache(checkpoint):
     assert [k.name for k in many] == [f"trunk/0/{i}" for i in range(20_000)]
     assert [k.name for k in eng.fork(trunk, 2)] == ["trunk/4", "trunk/5"]
     eng.audit()
+
+
+def test_a_second_numbered_fork_takes_the_lowest_free_indices_in_order(checkpoint):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=64, block_size=4)
+    trunk = eng.new_branch("trunk", PROMPT)
+    first = eng.fork(trunk, 1000)
+    eng.prune(first[10], first[500], first[999])
+    beyond = [f"trunk/{i}" for i in (*range(1000, 1010), 2001)]  # taken in the second and third 1,000 too
+    eng.fork(trunk, names=beyond)
+    second = eng.fork(trunk, 1000)
+    taken = {b.name for b in first} - {"trunk/10", "trunk/500", "trunk/999"} | set(beyond)
+    expected = [name for name in (f"trunk/{i}" for i in range(3000)) if name not in taken][:1000]
+    assert [k.name for k in second] == expected
+    assert expected[:4] == ["trunk/10", "trunk/500", "trunk/999", "trunk/1010"] and expected[-1] == "trunk/2007"
+    eng.audit()
