@@ -140,3 +140,14 @@ def test_gpu_diagnostics_name_what_exists(monkeypatch):
         profile_step.main(["--smoke", "--device", "cpu"])
     with pytest.raises(SystemExit, match="GPU"):
         importlib.import_module("tune_skinny").main(["--smoke", "--device", "cpu"])
+
+
+def test_persistent_chain_probe_matches_torch_in_the_interpreter(monkeypatch, capsys):
+    """probe_persistent_chain.py times a GPU kernel; in the interpreter (one program, tiny shapes) its chain and
+    the gemv launches it is compared with must equal torch's, or main() exits with an error."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    triton = pytest.importorskip("triton")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("the probe's CPU check needs TRITON_INTERPRET=1 (the test session's default)")
+    importlib.import_module("probe_persistent_chain").main([])
+    assert "relative error" in capsys.readouterr().out
