@@ -85,6 +85,23 @@ def _store_rows(ptr, tile, values, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _normed(ptr, nw_ptr, K, eps, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """nw * rmsnorm(v) of the activation at ptr, rounded to dtype as the engine's folded norm rounds it."""
+    v = _vector(ptr, K, BLOCK_K)
+    rstd = tl.rsqrt(tl.sum(v * v, 0) / K + eps)
+    return (v * rstd * _vector(nw_ptr, K, BLOCK_K)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rows_plus_residual(w, v, res_ptr, out_ptr, tile, N, BLOCK_N: tl.constexpr):
+    """out[rows of this tile] = res + w @ v, for the tile w [BLOCK_N, K] of W's rows."""
+    y = tl.sum(w.to(tl.float32) * v[None, :], 1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    residual = tl.load(res_ptr + n, mask=n < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(out_ptr + n, (y + residual).to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
 def _chain_kernel(x_ptr, h_ptr, qkv_ptr, act_ptr, logits_ptr, bar_ptr,
                   w_qkv, w_o, w_gu, w_down, w_lm, nw_attn, nw_mlp, nw_final, layers, eps,
                   HIDDEN: tl.constexpr, QKV: tl.constexpr, ATTN: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr,
@@ -98,28 +115,20 @@ def _chain_kernel(x_ptr, h_ptr, qkv_ptr, act_ptr, logits_ptr, bar_ptr,
     w = _row_tile(w_qkv, pid, QKV, HIDDEN, BN_QKV, BK_H)  # layer 0's q/k/v tile: x is ready at launch
     for layer in range(layers):
         # q/k/v = (nw * rmsnorm(x)) @ Wqkv.T
-        x = _vector(x_ptr, HIDDEN, BK_H)
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / HIDDEN + eps)
-        xn = (x * rstd * _vector(nw_attn + layer * HIDDEN, HIDDEN, BK_H)).to(dtype).to(tl.float32)
+        xn = _normed(x_ptr, nw_attn + layer * HIDDEN, HIDDEN, eps, dtype, BK_H)
         y = tl.sum(w.to(tl.float32) * xn[None, :], 1)
         _store_rows(qkv_ptr, pid, y.to(dtype), QKV, BN_QKV)
         o_w = _row_tile(w_o + layer * HIDDEN * ATTN, pid, HIDDEN, ATTN, BN_O, BK_A)  # next phase's W, before the wait
         phase += 1
         _arrive_and_wait(bar_ptr, phase * programs, WAIT)
         # h = x + attn @ Wo.T (attn: the first ATTN values of q/k/v; no attention in this probe)
-        a = _vector(qkv_ptr, ATTN, BK_A)
-        y = tl.sum(o_w.to(tl.float32) * a[None, :], 1)
-        n = pid * BN_O + tl.arange(0, BN_O)
-        residual = tl.load(x_ptr + n, mask=n < HIDDEN, other=0.0, cache_modifier=".cg").to(tl.float32)
-        _store_rows(h_ptr, pid, (y + residual).to(dtype), HIDDEN, BN_O)
+        _rows_plus_residual(o_w, _vector(qkv_ptr, ATTN, BK_A), x_ptr, h_ptr, pid, HIDDEN, BN_O)
         gate_w = _row_tile(w_gu + layer * 2 * INTER * HIDDEN, pid, INTER, HIDDEN, BN_GU, BK_H)
         up_w = _row_tile(w_gu + (layer * 2 + 1) * INTER * HIDDEN, pid, INTER, HIDDEN, BN_GU, BK_H)
         phase += 1
         _arrive_and_wait(bar_ptr, phase * programs, WAIT)
         # act = silu(gate) * up of (nw * rmsnorm(h)) @ Wgu.T
-        h = _vector(h_ptr, HIDDEN, BK_H)
-        rstd = tl.rsqrt(tl.sum(h * h, 0) / HIDDEN + eps)
-        hn = (h * rstd * _vector(nw_mlp + layer * HIDDEN, HIDDEN, BK_H)).to(dtype).to(tl.float32)
+        hn = _normed(h_ptr, nw_mlp + layer * HIDDEN, HIDDEN, eps, dtype, BK_H)
         gate = tl.sum(gate_w.to(tl.float32) * hn[None, :], 1).to(dtype).to(tl.float32)
         up = tl.sum(up_w.to(tl.float32) * hn[None, :], 1).to(dtype).to(tl.float32)
         _store_rows(act_ptr, pid, (gate * tl.sigmoid(gate) * up).to(dtype), INTER, BN_GU)
@@ -127,11 +136,7 @@ def _chain_kernel(x_ptr, h_ptr, qkv_ptr, act_ptr, logits_ptr, bar_ptr,
         phase += 1
         _arrive_and_wait(bar_ptr, phase * programs, WAIT)
         # x = h + act @ Wdown.T
-        act = _vector(act_ptr, INTER, BK_I)
-        y = tl.sum(down_w.to(tl.float32) * act[None, :], 1)
-        n = pid * BN_DOWN + tl.arange(0, BN_DOWN)
-        residual = tl.load(h_ptr + n, mask=n < HIDDEN, other=0.0, cache_modifier=".cg").to(tl.float32)
-        _store_rows(x_ptr, pid, (y + residual).to(dtype), HIDDEN, BN_DOWN)
+        _rows_plus_residual(down_w, _vector(act_ptr, INTER, BK_I), h_ptr, x_ptr, pid, HIDDEN, BN_DOWN)
         if layer + 1 < layers:
             w = _row_tile(w_qkv + (layer + 1) * QKV * HIDDEN, pid, QKV, HIDDEN, BN_QKV, BK_H)
         else:
@@ -139,9 +144,7 @@ def _chain_kernel(x_ptr, h_ptr, qkv_ptr, act_ptr, logits_ptr, bar_ptr,
         phase += 1
         _arrive_and_wait(bar_ptr, phase * programs, WAIT)
     # logits = (nw * rmsnorm(x)) @ Wlm.T, BN_QKV rows at a time per program
-    x = _vector(x_ptr, HIDDEN, BK_H)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / HIDDEN + eps)
-    xn = (x * rstd * _vector(nw_final, HIDDEN, BK_H)).to(dtype).to(tl.float32)
+    xn = _normed(x_ptr, nw_final, HIDDEN, eps, dtype, BK_H)
     y = tl.sum(w.to(tl.float32) * xn[None, :], 1)
     _store_rows(logits_ptr, pid, y.to(dtype), VOCAB, BN_QKV)
     for tile in range(pid + programs, tl.cdiv(VOCAB, BN_QKV), programs):
