@@ -43,6 +43,10 @@ def fork_and_first_step(engine, root, forks: int, repeats: int):
     for repeat in range(repeats + 1):   # round 0 is untimed: compiles and graph captures for this batch
         if kids is not None:
             engine.prune(kids)
+            # Dropped here, the pruned leaves' handles free their objects (generators, nodes) now. Left to the
+            # assignment below, that teardown ran inside the timed fork: 0.67-0.71 ms a fork on the CI CPU
+            # against 0.35 ms (benchmarks/REPORT.md).
+            kids = None
         sync(engine.device)
         gc.disable()
         started = time.perf_counter()
@@ -70,6 +74,7 @@ def back_to_back_fork_seconds(engine, root, forks: int, repeats: int) -> list[fl
         seconds.append(time.perf_counter() - started)
         gc.enable()
         engine.prune(kids)
+        del kids   # freed here, not inside the next timed fork
     return seconds[1:]
 
 
