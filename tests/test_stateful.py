@@ -141,6 +141,10 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             assert self.engine.num_free_blocks == NUM_BLOCKS
             self.engine.audit()
 
+    # filter_too_much: rules that draw from a still-empty bundle, or fail a precondition, are skipped, and
+    # Hypothesis may count those draws as filtered inputs. Some random seeds make enough of them to fail that
+    # health check (seen once in CI: 9 inputs generated, 50 filtered); the examples themselves are unchanged.
     TreeMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
-                                             suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+                                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+                                             print_blob=True)
     TreeMachine.TestCase().runTest()
