@@ -11,6 +11,8 @@ attention work, and their outputs are dropped.
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,11 @@ from .attention.base import BatchLayout
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_GRAPHS = 32  # least recently used graphs beyond this are dropped (each holds its plan buffers)
+# The BLAS library whose kernels a graph captures for the products it sends to cuBLAS (more rows than
+# kernels/skinny.py takes). For 64 rows of an 8B model, cuBLASLt picks kernels that run the layer's products
+# in 4.00 ms a step against 4.21 (no split-K reduce, one kernel shape for o and down): decode (a) went from
+# 5.96 to 5.79 ms on an H200 (benchmarks/REPORT.md). Eager forwards keep torch's default.
+GRAPH_BLAS_LIBRARY = "cublaslt"
 
 
 @dataclass(slots=True)
@@ -107,11 +114,12 @@ class DecodeGraphs:
         ids[: len(input_ids)].copy_(input_ids)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.model(ids, pos, self.kv_layers, self.backend, plan)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        with torch.cuda.graph(captured.graph, pool=self._pool):
-            captured.hidden = self.model(ids, pos, self.kv_layers, self.backend, plan)
+        with _blas_library(GRAPH_BLAS_LIBRARY):
+            with torch.cuda.stream(side):
+                self.model(ids, pos, self.kv_layers, self.backend, plan)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            with torch.cuda.graph(captured.graph, pool=self._pool):
+                captured.hidden = self.model(ids, pos, self.kv_layers, self.backend, plan)
         # The graph holds raw pointers into the plan's scratch: the plan must live as long as the graph.
         captured.plan = plan
         self._graphs[(bucket, shape)] = captured
@@ -119,3 +127,23 @@ class DecodeGraphs:
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
         return captured
+
+
+@contextlib.contextmanager
+def _blas_library(name: str):
+    """torch's preferred BLAS library set to `name` inside the block, and put back after it; left as it is
+    where this torch build lacks that library (torch refuses the setting)."""
+    with warnings.catch_warnings():  # torch marks the preference experimental, in a warning per process
+        warnings.simplefilter("ignore")
+        previous = torch.backends.cuda.preferred_blas_library()
+        try:
+            torch.backends.cuda.preferred_blas_library(name)
+        except RuntimeError:
+            previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.backends.cuda.preferred_blas_library(previous)

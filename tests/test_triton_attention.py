@@ -238,6 +238,33 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoint):
     assert engines[1]._graphs.captures >= 2 and engines[0]._graphs is None
 
 
+@pytest.mark.gpu
+def test_cuda_graph_steps_of_many_rows_equal_eager_steps(checkpoint):
+    """24 leaves: more rows than skinny takes, so the graphs capture their products through cuBLASLt
+    (cuda_graphs.GRAPH_BLAS_LIBRARY) while the eager engine runs torch's default cuBLAS."""
+    results = []
+    for graphs in (False, True):
+        eng = Engine.from_pretrained(checkpoint(), device="cuda", attention="triton", num_blocks=512, block_size=4,
+                                     cuda_graphs=graphs)
+        kids = eng.fork(eng.new_branch("trunk", "Many branches of one prompt, decoded together"), 24)
+        tokens = eng.generate(kids, 8, GREEDY)
+        results.append((tokens, eng.next_logits(kids)))
+        assert (eng._graphs is not None) == graphs and (not graphs or eng._graphs.captures >= 1)
+    assert results[0][0] == results[1][0]
+    assert (results[0][1] - results[1][1]).abs().max() < 1e-4
+
+
+def test_graph_blas_preference_is_put_back_after_a_capture():
+    from dendrite_nb.cuda_graphs import GRAPH_BLAS_LIBRARY, _blas_library
+
+    before = torch.backends.cuda.preferred_blas_library()
+    with _blas_library(GRAPH_BLAS_LIBRARY):
+        inside = torch.backends.cuda.preferred_blas_library()
+    assert torch.backends.cuda.preferred_blas_library() == before
+    # A CPU build refuses cuBLASLt, and the preference is then left as it was.
+    assert inside == before or str(inside).lower().endswith(GRAPH_BLAS_LIBRARY)
+
+
 def test_segment_cache_equals_a_fresh_cut_as_leaves_grow_and_change():
     from dendrite_nb.kv.cascade import SegmentCache
 
