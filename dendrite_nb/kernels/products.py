@@ -5,7 +5,8 @@ before it and the SwiGLU after it folded in where that kernel can fold them.
   against 12.8 us on an H200, L2 flushed); each extra row costs it a pass over W from L2 (at 4 rows q/k/v
   took 10.4 us against cuBLAS's 5.9), so it takes only one.
 - 2 to SKINNY_ROWS rows (a batch of leaves): skinny.py, on tensor cores, with the same folds.
-- more (prefill, large batches): cuBLAS, with the norm and the SwiGLU as their own kernels.
+- more (prefill, large batches): cuBLAS, with the norm and the SwiGLU as their own kernels (captured
+  through cuBLASLt inside decode graphs: cuda_graphs.py).
 
 benchmarks/REPORT.md has the measurements behind the row limits.
 """
