@@ -186,6 +186,7 @@ class Chain:
                       BK_A=triton.next_power_of_2(s["attn"]), BK_I=triton.next_power_of_2(s["inter"]))
 
         def run():
+            # Two small kernels per chain (about 3 us of the ~0.6 ms): the input back in place, the counter at 0.
             x.copy_(self.x0.view(-1))
             bar.zero_()
             _chain_kernel[(programs,)](

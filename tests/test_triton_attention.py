@@ -249,7 +249,10 @@ def test_cuda_graph_steps_of_many_rows_equal_eager_steps(checkpoint):
         kids = eng.fork(eng.new_branch("trunk", "Many branches of one prompt, decoded together"), 24)
         tokens = eng.generate(kids, 8, GREEDY)
         results.append((tokens, eng.next_logits(kids)))
-        assert (eng._graphs is not None) == graphs and (not graphs or eng._graphs.captures >= 1)
+        if graphs:
+            assert eng._graphs.captures >= 1
+        else:
+            assert eng._graphs is None
     assert results[0][0] == results[1][0]
     assert (results[0][1] - results[1][1]).abs().max() < 1e-4
 
