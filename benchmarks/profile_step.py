@@ -70,6 +70,12 @@ SMOKE_TOT_CASE = Case("tot", "qwen3-0.6b", 32, 5, 4, 20.0)
 TOT_8B_CASE = Case("tot8b", "llama-3.1-8b", 256 + 5 * 32, 5, 16, 5.0)  # the same step of the 8B search
 SMOKE_TOT_8B_CASE = Case("tot8b", "llama-3.1-8b", 32, 5, 4, 5.0)
 TOT_SAMPLING = SamplingParams(temperature=0.8, ignore_eos=True)
+# Many leaves of a small model, where the host's per-row bookkeeping may outlast the GPU's step: fork_decode.py's
+# 1,000 leaves, and decode (a)'s layout (64 leaves under 4,096 tokens) on the 0.6B shape.
+EXTRA_CASES = {"fork": Case("fork", "qwen3-0.6b", 2048, 1000, 16, 0.0),
+               "a06b": Case("a06b", "qwen3-0.6b", 4096, 64, 16, 0.0)}
+SMOKE_EXTRA_CASES = {"fork": Case("fork", "qwen3-0.6b", 64, 20, 4, 0.0),
+                     "a06b": Case("a06b", "qwen3-0.6b", 64, 8, 4, 0.0)}
 
 
 class HostTimers:
@@ -165,9 +171,10 @@ def attention_parts(engine, leaves, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     arguments = parser(__doc__)
-    arguments.add_argument("--cases", nargs="+", choices=sorted(CASES) + ["tot", "tot8b"], default=sorted(CASES),
-                           help="decode_step.py's cases, or tot / tot8b: a step of tree_of_thought.py's 0.6B / "
-                                "8B search")
+    arguments.add_argument("--cases", nargs="+", choices=sorted(CASES) + ["tot", "tot8b", *EXTRA_CASES],
+                           default=sorted(CASES),
+                           help="decode_step.py's cases; tot / tot8b: a step of tree_of_thought.py's 0.6B / 8B "
+                                "search; fork: fork_decode.py's 1,000 leaves; a06b: (a)'s layout on the 0.6B shape")
     arguments.add_argument("--steps", type=int, default=16)
     args = arguments.parse_args(argv)
     setup = make_setup(args)
@@ -175,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("profile_step.py profiles CUDA kernels and graphs: run it on a GPU.")
     for key in args.cases:
         cases = {**(SMOKE_CASES if setup.smoke else CASES), "tot": SMOKE_TOT_CASE if setup.smoke else TOT_CASE,
-                 "tot8b": SMOKE_TOT_8B_CASE if setup.smoke else TOT_8B_CASE}
+                 "tot8b": SMOKE_TOT_8B_CASE if setup.smoke else TOT_8B_CASE,
+                 **(SMOKE_EXTRA_CASES if setup.smoke else EXTRA_CASES)}
         case = cases[key]
         sampling = TOT_SAMPLING if key.startswith("tot") else GREEDY
         model = build_model(setup, setup.hf_config(case.shape))

@@ -750,10 +750,8 @@ class Engine:
         for branch in branches:
             if branch.node.swapped_blocks:
                 self._resume(branch)
-        records: list[AppendRecord] = []
+        records = self.branch_tree.append_one_each(branches, PENDING_TOKEN)  # all or nothing
         try:
-            for branch in branches:
-                records.append(self.branch_tree.append(branch, [PENDING_TOKEN]))
             return self._runner.plan(self.branch_tree, records, [1] * len(records))
         except BaseException:
             self._undo(records)

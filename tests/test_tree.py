@@ -186,3 +186,69 @@ def test_names_are_checked():
     with pytest.raises(BranchPruned):
         tree.resolve(a)
     assert "pruned" in repr(a)
+
+
+def _mixed_batch(tree):
+    """Branches whose next token takes every path of an append: in place with room in the last block, in place
+    into a new block, a child of a shared node (copy-on-write of its tail), and a first token off the root."""
+    room = tree.add_branch("room")
+    tree.append(room, [1, 2, 3, 4, 5])  # 5 tokens: the second block has room
+    full = tree.add_branch("full")
+    tree.append(full, [1, 2, 3, 4])  # a full block: the next token needs another
+    shared = tree.add_branch("shared")
+    tree.append(shared, [7, 8, 9])
+    kid, _ = tree.fork(shared, ["kid", "other"])
+    empty = tree.add_branch("empty")
+    return [room, full, kid, empty]
+
+
+def test_append_one_each_equals_appends_one_by_one():
+    trees = [make_tree(), make_tree()]
+    batches = [_mixed_batch(tree) for tree in trees]
+    batched = trees[0].append_one_each(batches[0], 42)
+    single = [trees[1].append(branch, [42]) for branch in batches[1]]
+    assert state(trees[0]) == state(trees[1])
+    fields = ("created", "old_num_tokens", "old_num_blocks", "cow")
+    assert [[getattr(r, f) for f in fields] for r in batched] == [[getattr(r, f) for f in fields] for r in single]
+    assert [r.branch.name for r in batched] == [r.branch.name for r in single]
+    for record in reversed(batched):
+        trees[0].undo(record)
+    fresh = make_tree()
+    _mixed_batch(fresh)
+    assert state(trees[0]) == state(fresh)
+    trees[0].audit()
+
+
+def test_append_one_each_out_of_blocks_changes_nothing():
+    tree = make_tree(num_blocks=6)
+    batch = _mixed_batch(tree)  # 2 + 1 + 1 blocks held; the batch needs 1 (full) + 1 (kid's copy) + 1 (empty)
+    tree.allocator.allocate(tree.allocator.num_free - 2)
+    before = state(tree)
+    with pytest.raises(OutOfBlocks):
+        tree.append_one_each(batch, 42)  # room goes in place, full and kid take the last two, empty fails
+    assert state(tree) == before
+
+
+def test_a_leaf_block_table_follows_its_blocks():
+    """Leaves keep their table between steps; it must still be the table after any change to their blocks."""
+    tree = make_tree()
+    a = tree.add_branch("a")
+    tree.append(a, [1, 2, 3])
+    (x,) = tree.fork(a, ["x"])
+    tree.append(x, [4])  # x: a child with a copy of a's partial tail block
+
+    def fresh(node):
+        return tree._path(node, "table")
+    assert tree.block_table(x.node) == fresh(x.node)
+    seen = tree.block_table(x.node)
+    for token in range(5, 12):  # into x's tail block, then new ones
+        record = tree.append(x, [token])
+        assert tree.block_table(x.node) == fresh(x.node)
+    assert tree.block_table(x.node) is not seen and len(tree.block_table(x.node)) == 3
+    tree.undo(record)
+    assert tree.block_table(x.node) == fresh(x.node)
+    freed = tree.preempt(x)
+    assert tree.block_table(x.node) == fresh(x.node) == tree.block_table(a.node)[:0]  # a's blocks before x's start
+    tree.allocator.allocate(len(freed))  # the freed blocks are taken: resuming gets others
+    tree.resume(x.node)
+    assert tree.block_table(x.node) == fresh(x.node) and not set(freed) & set(x.node.blocks)

@@ -7,12 +7,13 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 
-@dataclass(frozen=True, slots=True)
-class KVSegment:
+class KVSegment(NamedTuple):
     """A run of context positions [start, end) that several batch rows read at once (tree-aware decode).
 
     The rows' contexts are identical over [start, end), because the rows descend from one tree node;
     a kernel reads these positions once for all of them and merges the partial results by log-sum-exp.
+    Immutable. A tuple, not a frozen dataclass: a decode step makes one per row (each row's growing private
+    run), and a tuple is made 4x faster.
     """
 
     rows: tuple[int, ...]  # batch rows (indices into the layout's sequences) that attend to these positions
@@ -38,7 +39,7 @@ class BatchLayout:
 
     @property
     def is_decode(self) -> bool:
-        return all(q == 1 for q in self.q_lens)
+        return self.q_lens.count(1) == len(self.q_lens)  # one C loop: a decode step of 1,000 rows asks twice
 
 
 class LayerKV(NamedTuple):

@@ -12,12 +12,13 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..kernels.pdl import pdl_arguments
 from .base import BatchLayout, LayerKV
 from .triton_kernels import ITEM_COLS
-from .triton_plan import HostPlan, PlanShape, build_host_plan
+from .triton_plan import HostPlan, KVRuns, PlanShape, build_host_plan
 
 BLOCK_N = 64  # KV positions per inner step
 INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small tiles keep tests fast
@@ -127,27 +128,30 @@ class TritonAttention:
 
     def host_plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> HostPlan:
         """Work items and index arrays for `layout`, on the host (no device work)."""
-        runs = list(self._runs(layout))
         narrow = max(16, 1 << (self.group - 1).bit_length())
-        slot_mapping = [table[p // block_size] * block_size + p % block_size
-                        for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
-                        for p in range(kv - q, kv)]
+        if layout.is_decode:  # one token per row, at its last position: no per-token loop
+            positions = np.array(layout.kv_lens, dtype=np.int64) - 1
+            slot_mapping = [table[p // block_size] * block_size + p % block_size
+                            for table, p in zip(layout.block_tables, positions.tolist())]
+        else:
+            positions = np.array(layout.positions, dtype=np.int64)
+            slot_mapping = [table[p // block_size] * block_size + p % block_size
+                            for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
+                            for p in range(kv - q, kv)]
         widths = (narrow,) + tuple(w for w in self.tile_widths if w > narrow)
-        return build_host_plan(runs, slot_mapping, block_size, self.group, widths, self._chunker(device))
+        return build_host_plan(self._runs(layout), positions, slot_mapping, block_size, self.group, widths,
+                               self._chunker(device))
 
     @staticmethod
-    def _runs(layout: BatchLayout):
-        """(query tokens, their positions, kv start, kv end, blocks from start // block_size) per KV run."""
+    def _runs(layout: BatchLayout) -> KVRuns:
+        """The KV runs of a forward: a decode step's segments, or each sequence's whole context (flat)."""
         if layout.segments is not None:
             if not layout.is_decode:
                 raise ValueError("segments describe decode steps; a prefill layout must leave them None.")
-            for seg in layout.segments:
-                yield list(seg.rows), [layout.kv_lens[r] - 1 for r in seg.rows], seg.start, seg.end, seg.blocks
-            return
-        first = 0
-        for q, kv, table in zip(layout.q_lens, layout.kv_lens, layout.block_tables):
-            yield list(range(first, first + q)), list(range(kv - q, kv)), 0, kv, table
-            first += q
+            return KVRuns.of(layout.segments)  # a KVSegment is the tuple (rows, start, end, blocks)
+        first = np.cumsum([0, *layout.q_lens])
+        return KVRuns.of([(range(first[i], first[i + 1]), 0, kv, table)
+                          for i, (kv, table) in enumerate(zip(layout.kv_lens, layout.block_tables))])
 
     def _chunker(self, device: torch.device):
         """chunk_for(work): positions per item, for a launch of `work` tile-positions (tiles x run lengths).

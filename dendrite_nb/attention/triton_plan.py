@@ -7,8 +7,9 @@ first + j; the block of position p is block_ids[block offset + p // block_size].
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -103,46 +104,75 @@ class HostPlan:
         return torch.from_numpy(flat)
 
 
-def build_host_plan(runs: list[tuple[list[int], list[int], int, int, tuple[int, ...] | list[int]]],
-                    slot_mapping: list[int], block_size: int, group: int, widths: tuple[int, ...],
-                    chunk_for: Callable[[int], int]) -> HostPlan:
-    """runs: (query tokens, their positions, kv start, kv end, blocks from start // block_size) per KV run.
-    widths: tile widths (query vectors), ascending. A run takes the narrowest tile that holds all its rows x
-    group heads, or tiles of the widest. Each tile width is one launch, and launches run one after another,
-    so each width gets its own chunk size: its runs are cut into chunks of chunk_for(work) positions, work
-    being that width's tile-positions (sum over its runs of tiles x run length). Long runs split until the
-    launch fills the GPU, and short ones stay whole."""
-    tiled = []
-    work = dict.fromkeys(widths, 0)
-    for tokens, positions, start, end, blocks in runs:
-        block_m = next((width for width in widths if len(tokens) * group <= width), widths[-1])
-        tiled.append((block_m, block_m // group, tokens, positions, start, end, blocks))
-        work[block_m] += -(-len(tokens) // (block_m // group)) * (end - start)
-    chunks = {width: chunk_for(width_work) for width, width_work in work.items() if width_work}
-    items: dict[int, list[tuple[int, ...]]] = {width: [] for width in widths}
-    entry_rows: list[int] = []
-    entry_pos: list[int] = []
-    block_ids: list[int] = []
-    num_slots = 0
-    for block_m, per_tile, tokens, positions, start, end, blocks in tiled:
-        block_off = len(block_ids) - start // block_size
-        block_ids.extend(blocks)
-        for first in range(0, len(tokens), per_tile):
-            tile = tokens[first: first + per_tile]
-            tile_pos = positions[first: first + per_tile]
-            hi = min(end, max(tile_pos) + 1)  # causal: a prefill tile reads nothing past its last token
-            entry_off = len(entry_rows)
-            entry_rows.extend(tile)
-            entry_pos.extend(tile_pos)
-            chunk = chunks.get(block_m, 1)  # absent only when every run of this width is empty: nothing to cut
-            for lo in range(start, hi, chunk):
-                items[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots))
-                num_slots += len(tile)
-    arrays = {block_m: np.array(rows, dtype=np.int32).reshape(-1, ITEM_COLS) for block_m, rows in items.items()}
-    rows_np = np.array(entry_rows, dtype=np.int32)
+@dataclass(frozen=True, slots=True)
+class KVRuns:
+    """A forward's KV runs as flat arrays (CSR), so a plan of 1,000 rows is built by numpy, not a Python loop
+    per run. Run r is read by query tokens rows[row_ptr[r]: row_ptr[r + 1]] over positions [starts[r], ends[r]),
+    and blocks[block_ptr[r]: block_ptr[r + 1]] hold its logical blocks from starts[r] // block_size on."""
+
+    row_ptr: np.ndarray  # [R + 1]
+    rows: np.ndarray  # [E] query tokens, run after run
+    starts: np.ndarray  # [R]
+    ends: np.ndarray  # [R]
+    block_ptr: np.ndarray  # [R + 1]
+    blocks: np.ndarray  # [NB]
+
+    @classmethod
+    def of(cls, runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]]) -> KVRuns:
+        """From (query tokens, kv start, kv end, blocks from start // block_size) per run."""
+        def csr(lists) -> tuple[np.ndarray, np.ndarray]:
+            ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+            np.cumsum([len(values) for values in lists], out=ptr[1:])
+            return ptr, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(ptr[-1]))
+        row_ptr, rows = csr([run[0] for run in runs])
+        block_ptr, blocks = csr([run[3] for run in runs])
+        return cls(row_ptr, rows, np.array([run[1] for run in runs], dtype=np.int64),
+                   np.array([run[2] for run in runs], dtype=np.int64), block_ptr, blocks)
+
+
+def build_host_plan(runs: KVRuns, positions: np.ndarray, slot_mapping: Sequence[int], block_size: int, group: int,
+                    widths: tuple[int, ...], chunk_for: Callable[[int], int]) -> HostPlan:
+    """positions: [T] each query token's position (its causal limit). widths: tile widths (query vectors),
+    ascending. A run takes the narrowest tile that holds all its rows x group heads, or tiles of the widest.
+    Each tile width is one launch, and launches run one after another, so each width gets its own chunk size:
+    its runs are cut into chunks of chunk_for(work) positions, work being that width's tile-positions (sum over
+    its runs of tiles x run length). Long runs split until the launch fills the GPU, and short ones stay whole.
+
+    Items come out run by run, tile by tile (rows in run order), chunk by chunk, and each item's rows take the
+    next partial slots in that order; every step is an array operation over all runs at once."""
+    rows_per_run = np.diff(runs.row_ptr)
+    width_list = np.array(widths, dtype=np.int64)
+    width_of_run = np.minimum(np.searchsorted(width_list, rows_per_run * group), len(widths) - 1)
+    per_tile = width_list[width_of_run] // group  # rows per tile
+    tiles = -(-rows_per_run // per_tile)
+    work = np.bincount(width_of_run, weights=tiles * (runs.ends - runs.starts), minlength=len(widths))
+    chunk_of_width = np.array([chunk_for(int(w)) if w else 1 for w in work], dtype=np.int64)
+
+    run_of_tile = np.repeat(np.arange(len(tiles)), tiles)
+    tile_in_run = np.arange(len(run_of_tile)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    entry_off = runs.row_ptr[:-1][run_of_tile] + tile_in_run * per_tile[run_of_tile]  # entries are runs.rows
+    tile_rows = np.minimum(per_tile[run_of_tile], rows_per_run[run_of_tile] - tile_in_run * per_tile[run_of_tile])
+    entry_pos = np.asarray(positions, dtype=np.int64)[runs.rows]
+    last_pos = np.maximum.reduceat(entry_pos, entry_off) if len(entry_off) else entry_off
+    tile_start = runs.starts[run_of_tile]
+    tile_hi = np.minimum(runs.ends[run_of_tile], last_pos + 1)  # causal: nothing past the tile's last token
+    tile_chunk = chunk_of_width[width_of_run[run_of_tile]]
+    chunks = np.where(tile_hi > tile_start, -(-(tile_hi - tile_start) // tile_chunk), 0)
+
+    tile_of_item = np.repeat(np.arange(len(chunks)), chunks)
+    chunk_in_tile = np.arange(len(tile_of_item)) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    lo = tile_start[tile_of_item] + chunk_in_tile * tile_chunk[tile_of_item]
+    item_rows = tile_rows[tile_of_item]
+    run_of_item = run_of_tile[tile_of_item]
+    table = np.stack([entry_off[tile_of_item], item_rows, lo, np.minimum(tile_hi[tile_of_item], lo + tile_chunk[tile_of_item]),
+                      runs.block_ptr[:-1][run_of_item] - runs.starts[run_of_item] // block_size,
+                      np.cumsum(item_rows) - item_rows], axis=1).astype(np.int32).reshape(-1, ITEM_COLS)
+    width_of_item = width_of_run[run_of_item]
+    arrays = {width: table[width_of_item == index] for index, width in enumerate(widths)}
+    rows_np = runs.rows.astype(np.int32)
     indptr, slots = _slots_by_token(np.concatenate(list(arrays.values())), rows_np, len(slot_mapping))
-    return HostPlan(arrays, rows_np, np.array(entry_pos, dtype=np.int32), np.array(block_ids, dtype=np.int32),
-                    indptr, slots, np.array(slot_mapping, dtype=np.int32), num_slots)
+    return HostPlan(arrays, rows_np, entry_pos.astype(np.int32), runs.blocks.astype(np.int32), indptr, slots,
+                    np.asarray(slot_mapping, dtype=np.int32), int(item_rows.sum()))
 
 
 def _slots_by_token(items: np.ndarray, entry_rows: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:

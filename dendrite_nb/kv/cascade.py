@@ -89,8 +89,11 @@ class SegmentCache:
             self._key = key
             return built
         size = tree.block_size
-        return self._fixed + [_segment((row,), start, leaf.end, table, size)
-                              for row, (start, leaf, table) in enumerate(zip(self._last_starts, leaves, tables))]
+        last = []
+        for row, (start, leaf, table) in enumerate(zip(self._last_starts, leaves, tables)):  # _segment, inlined
+            end = leaf.start + len(leaf.tokens)
+            last.append(KVSegment((row,), start, end, tuple(table[start // size: (end - 1) // size + 1])))
+        return self._fixed + last
 
 
 def _segment(rows: tuple[int, ...], start: int, end: int, table: Sequence[int], size: int) -> KVSegment:

@@ -52,6 +52,9 @@ class Node:
     # Only a childless node read by one branch is preempted, and it is resumed before anything appends to it.
     swapped_blocks: int = 0
     swapped: Any = None
+    # A leaf's block table with the blocks it was built from: a leaf grows in place, and a decode step asks for
+    # every leaf's table, so it is rebuilt only when the leaf's blocks change (once per block_size tokens).
+    leaf_table: tuple[list[int], list[int]] | None = None
 
     @property
     def end(self) -> int:
@@ -245,6 +248,30 @@ class BranchTree:
         self._move(branch, child)
         return AppendRecord(branch, node, child, True, 0, 0, cow)
 
+    def append_one_each(self, branches: list[Branch], token: int) -> list[AppendRecord]:
+        """`append(branch, [token])` for each branch in order, as a decode step does. A leaf that its branch
+        alone names and whose last block has room (15 steps of 16) takes the token right here; the others go
+        through append. On failure the appends made are undone and nothing has changed."""
+        records: list[AppendRecord] = []
+        size, root = self.block_size, self.root
+        try:
+            for branch in branches:
+                node = branch.node
+                tokens = node.tokens
+                if (node is root or node.children or node.swapped_blocks or len(node.branch_names) != 1
+                        or branch.name not in node.branch_names
+                        or -(-(node.start + len(tokens) + 1) // size) - node.start // size > len(node.blocks)):
+                    records.append(self.append(branch, [token]))
+                    continue
+                records.append(AppendRecord(branch, node, node, False, len(tokens), len(node.blocks), None,
+                                            node.last_hidden))
+                tokens.append(token)
+        except BaseException:
+            for record in reversed(records):
+                self.undo(record)
+            raise
+        return records
+
     def undo(self, record: AppendRecord) -> None:
         """Revert one append (call in reverse order for a batch). The KV written is simply dropped."""
         node = record.node
@@ -291,7 +318,7 @@ class BranchTree:
         if not parent.children:
             parent.path_cache.clear()  # a leaf again: it may be extended, so its paths may change
         freed = self.allocator.decref(node.blocks)
-        node.blocks, node.parent, node.last_hidden = [], None, None
+        node.blocks, node.parent, node.last_hidden, node.leaf_table = [], None, None, None
         node.swapped, node.swapped_blocks = None, 0
         return freed
 
@@ -317,7 +344,16 @@ class BranchTree:
 
     def block_table(self, node: Node) -> list[int]:
         """Physical block per logical block index for the sequence ending at `node`. Do not mutate."""
-        return self._path(node, "table")
+        if node.children or node is self.root:
+            return self._path(node, "table")
+        # A leaf's table is its (frozen) ancestors' with its own blocks laid over their tail, so equal own
+        # blocks mean an equal table (whatever happened between: undo, preemption, resumption).
+        cached = node.leaf_table
+        if cached is not None and cached[0] == node.blocks:
+            return cached[1]
+        table = self._path(node, "table")
+        node.leaf_table = (list(node.blocks), table)
+        return table
 
     def nodes(self) -> Iterator[Node]:
         stack = [self.root]
