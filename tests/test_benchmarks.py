@@ -151,3 +151,15 @@ def test_persistent_chain_probe_matches_torch_in_the_interpreter(monkeypatch, ca
         pytest.skip("the probe's CPU check needs TRITON_INTERPRET=1 (the test session's default)")
     importlib.import_module("probe_persistent_chain").main([])
     assert "relative error" in capsys.readouterr().out
+
+
+def test_host_step_times_each_row_with_and_without_the_gc_pause(monkeypatch, capsys):
+    """host_step.py stubs the model out and times the engine's own work per step: a row per leaf count and GC
+    setting, every time positive, and the stub leaves the engine's bookkeeping intact (blocks audit clean)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    pytest.importorskip("triton")
+    importlib.import_module("host_step").main(["--smoke", "--leaves", "1", "4"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(line[0], " ".join(line[1:3])) for line in lines] == [
+        ("1", "older frozen"), ("1", "all walked"), ("4", "older frozen"), ("4", "all walked")]
+    assert all(float(line[3]) > 0 and float(line[4]) > 0 and float(line[-1]) > 0 for line in lines)

@@ -221,6 +221,17 @@ def test_each_tile_width_is_chunked_for_its_own_launch_and_short_runs_are_flagge
     assert host.shape().padded(8).fits(host.shape())
 
 
+def test_a_plan_for_a_named_gpu_cuts_as_that_gpu_would():
+    """multiprocessors= plans for that many SMs on any device (benchmarks/host_step.py times GPU plans on the
+    CPU), where the interpreter would otherwise cut every run into small chunks."""
+    backend = TritonAttention()
+    backend.configure(16, 8)
+    assert backend._chunker(torch.device("cpu"))(32768) == backend.min_chunk_tokens // 2
+    backend.multiprocessors = 132
+    chunk = backend._chunker(torch.device("cpu"))(32768)  # 16 tiles x 2,048 positions x 8 KV heads over 264 programs
+    assert chunk == 1024 and chunk % 64 == 0
+
+
 def reference_host_plan(runs, positions, block_size, group, widths, chunk_for):
     """The plan built run by run in Python, as triton_plan.build_host_plan did before it used arrays: items
     (per width), entry rows, entry positions, block ids, and the number of slots."""

@@ -83,6 +83,9 @@ class TritonAttention:
         self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
+        # Plan for a GPU of this many multiprocessors instead of the device's (benchmarks/host_step.py times
+        # a GPU's plans on the CPU, where the interpreter's small chunks would make them far larger).
+        self.multiprocessors: int | None = None
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, kv_dtype) -> str | None:
@@ -159,11 +162,11 @@ class TritonAttention:
         programs of equal work, but never below min_chunk_tokens: each chunk adds a partial result per row
         to write and merge. So one leaf's long context splits across the GPU, and 64 short private runs
         beside a shared prefix stay whole while the prefix splits."""
-        if device.type != "cuda":
+        if self.multiprocessors is None and device.type != "cuda":
             return lambda work: max(self.min_chunk_tokens // 2, 1)  # the interpreter: small chunks, several per run
-        if device not in self._sms:
+        if self.multiprocessors is None and device not in self._sms:
             self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = self.programs_per_sm * self._sms[device]
+        programs = self.programs_per_sm * (self.multiprocessors or self._sms[device])
 
         def chunk_for(work: int) -> int:
             chunk = max(self.min_chunk_tokens, math.ceil(work * self.num_kv_heads / programs))
