@@ -20,7 +20,6 @@ from .constraints import Constraint, parse_constraint
 from .errors import CheckpointError, ConstraintError, ContextOverflow, EmptyBranch, GenerationInterrupted, OutOfBlocks
 from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
 from .forward import ForwardRunner, PlannedForward
-from .gc_pause import older_objects_frozen
 from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
 from .kv.tree import RECOMPUTE
@@ -386,7 +385,7 @@ class Engine:
         max_steps = max_new_tokens * -(-len(resolved) // limit)  # exact when priorities do not change mid-call
         steps_done, masks = 0, None
         try:
-            with DeferredInterrupt() as interrupt, older_objects_frozen():
+            with DeferredInterrupt() as interrupt:
                 logits = self._logits([resolved[i] for i in active])
                 masks = self._start_masks(resolved, active) if constrained else None
                 for step in itertools.count():
