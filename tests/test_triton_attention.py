@@ -195,7 +195,7 @@ def test_a_plan_padded_for_a_graph_computes_the_same_attention():
 def test_each_tile_width_is_chunked_for_its_own_launch_and_short_runs_are_flagged():
     """Launches run one after another, so each tile width's runs are cut to fill the GPU on their own: a long
     shared prefix splits by its own work, not by the whole plan's (which made the prefix's launch too coarse)."""
-    from dendrite_nb.attention.triton_plan import SHORT_RUN_TOKENS, KVRuns, build_host_plan
+    from dendrite_nb.attention.triton_plan import SHORT_RUN_TOKENS, build_host_plan
 
     def plan_for(own_tokens: int):
         asked = []
@@ -205,8 +205,7 @@ def test_each_tile_width_is_chunked_for_its_own_launch_and_short_runs_are_flagge
             return 256 if work >= 4096 else 4096  # the prefix's launch splits; the leaves' runs stay whole
         prefix = (range(8), 0, 4096, range(256))  # 8 rows x 4 heads: 64-wide
         leaves = [([row], 4096, 4096 + own_tokens, [256 + row]) for row in range(8)]
-        positions = np.full(8, 4096 + own_tokens - 1)
-        host = build_host_plan(KVRuns.of([prefix, *leaves]), positions, list(range(8)), 16, group=4,
+        host = build_host_plan([prefix, *leaves], [4096 + own_tokens - 1] * 8, list(range(8)), 16, group=4,
                                widths=(16, 64, 128), chunk_for=chunk_for)
         return host, asked
 
@@ -232,64 +231,33 @@ def test_a_plan_for_a_named_gpu_cuts_as_that_gpu_would():
     assert chunk == 1024 and chunk % 64 == 0
 
 
-def reference_host_plan(runs, positions, block_size, group, widths, chunk_for):
-    """The plan built run by run in Python, as triton_plan.build_host_plan did before it used arrays: items
-    (per width), entry rows, entry positions, block ids, and the number of slots."""
-    tiled, work = [], dict.fromkeys(widths, 0)
-    for tokens, start, end, blocks in runs:
-        block_m = next((width for width in widths if len(tokens) * group <= width), widths[-1])
-        tiled.append((block_m, block_m // group, list(tokens), start, end, blocks))
-        work[block_m] += -(-len(tokens) // (block_m // group)) * (end - start)
-    chunks = {width: chunk_for(width_work) for width, width_work in work.items() if width_work}
-    items = {width: [] for width in widths}
-    entry_rows, entry_pos, block_ids, num_slots = [], [], [], 0
-    for block_m, per_tile, tokens, start, end, blocks in tiled:
-        block_off = len(block_ids) - start // block_size
-        block_ids.extend(blocks)
-        for first in range(0, len(tokens), per_tile):
-            tile = tokens[first: first + per_tile]
-            tile_pos = [positions[t] for t in tile]
-            hi = min(end, max(tile_pos) + 1)
-            entry_off = len(entry_rows)
-            entry_rows.extend(tile)
-            entry_pos.extend(tile_pos)
-            chunk = chunks.get(block_m, 1)
-            for lo in range(start, hi, chunk):
-                items[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots))
-                num_slots += len(tile)
-    return items, entry_rows, entry_pos, block_ids, num_slots
-
-
 @pytest.mark.parametrize("seed", range(6))
-def test_array_plan_equals_a_run_by_run_reference(seed):
-    """build_host_plan computes with arrays over all runs at once; its items, slots and index arrays must be
-    those of the plain per-run loop, for decode trees (shared and flat) and prefills from mid-block."""
-    from dendrite_nb.attention.triton_plan import KVRuns, _slots_by_token, build_host_plan
+def test_array_plan_equals_the_run_by_run_plan(seed):
+    """Many runs are planned with arrays over all of them at once, a few one run at a time: both must give the
+    same items, slots and index arrays, for decode trees (shared and flat) and prefills from mid-block."""
+    from dendrite_nb.attention.triton_plan import KVRuns, plan_by_arrays, plan_by_loop
 
     rng = random.Random(seed)
     eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=4096, block_size=4)
-    leaves = random_tree(eng, rng, leaves=rng.randrange(2, 30), depth=rng.randrange(1, 4))
+    leaves = random_tree(eng, rng, leaves=rng.randrange(2, 40), depth=rng.randrange(1, 4))
     prefill = BatchLayout(q_lens=[9, 6, 1, 40], kv_lens=[9, 19, 30, 41],
                           block_tables=[[0, 1, 2], [3, 4, 5, 6, 7], list(range(8, 16)), list(range(16, 27))])
     layouts = [decode_layout(eng.branch_tree, leaves, min_shared_tokens=rng.choice([1, 8, 64])),
                decode_layout(eng.branch_tree, leaves, shared=False), prefill]
     chunk = rng.choice([8, 32, 64])
     for layout in layouts:
+        runs = TritonAttention._runs(layout)
+        positions = layout.positions
         for group, widths in ((1, (16,)), (4, (16, 64, 128)), (8, (16, 32))):
-            backend = TritonAttention(tile_widths=widths, min_chunk_tokens=2 * chunk)  # the CPU cuts at half of it
-            backend.configure(group * 2, 2)
-            got = backend.host_plan(layout, 4, torch.device("cpu"))
-            runs = ([(seg.rows, seg.start, seg.end, seg.blocks) for seg in layout.segments] if layout.segments
-                    else [(range(sum(layout.q_lens[:i]), sum(layout.q_lens[:i + 1])), 0, kv, table)
-                          for i, (kv, table) in enumerate(zip(layout.kv_lens, layout.block_tables))])
-            items, rows, pos, blocks, slots = reference_host_plan(runs, layout.positions, 4, group,
-                                                                  tuple(got.items), lambda work: chunk)
-            assert {w: a.tolist() for w, a in got.items.items()} == {w: [list(i) for i in v] for w, v in items.items()}
-            assert (got.entry_rows.tolist(), got.entry_pos.tolist(), got.block_ids.tolist(), got.num_slots) == (
-                rows, pos, blocks, slots)
-            expected = _slots_by_token(np.concatenate([np.array(v, dtype=np.int32).reshape(-1, 6)
-                                                       for v in items.values()]), np.array(rows), len(layout.positions))
-            assert got.indptr.tolist() == expected[0].tolist() and got.slots.tolist() == expected[1].tolist()
+            by_loop = plan_by_loop(runs, positions, positions, 4, group, widths, lambda work: chunk)
+            by_arrays = plan_by_arrays(KVRuns.of(runs), np.array(positions), positions, 4, group, widths,
+                                       lambda work: chunk)
+            assert list(by_loop.items) == list(by_arrays.items) == list(widths)
+            for width in widths:
+                assert by_loop.items[width].tolist() == by_arrays.items[width].tolist()
+            for field in ("entry_rows", "entry_pos", "block_ids", "indptr", "slots", "slot_mapping"):
+                assert getattr(by_loop, field).tolist() == getattr(by_arrays, field).tolist(), field
+            assert by_loop.num_slots == by_arrays.num_slots and by_loop.shape() == by_arrays.shape()
     assert KVRuns.of([]).rows.size == 0
 
 

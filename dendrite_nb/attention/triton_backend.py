@@ -12,13 +12,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..kernels.pdl import pdl_arguments
 from .base import BatchLayout, LayerKV
 from .triton_kernels import ITEM_COLS
-from .triton_plan import HostPlan, KVRuns, PlanShape, build_host_plan
+from .triton_plan import HostPlan, PlanShape, build_host_plan
 
 BLOCK_N = 64  # KV positions per inner step
 INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small tiles keep tests fast
@@ -133,11 +132,11 @@ class TritonAttention:
         """Work items and index arrays for `layout`, on the host (no device work)."""
         narrow = max(16, 1 << (self.group - 1).bit_length())
         if layout.is_decode:  # one token per row, at its last position: no per-token loop
-            positions = np.array(layout.kv_lens, dtype=np.int64) - 1
+            positions = [kv - 1 for kv in layout.kv_lens]
             slot_mapping = [table[p // block_size] * block_size + p % block_size
-                            for table, p in zip(layout.block_tables, positions.tolist())]
+                            for table, p in zip(layout.block_tables, positions)]
         else:
-            positions = np.array(layout.positions, dtype=np.int64)
+            positions = layout.positions
             slot_mapping = [table[p // block_size] * block_size + p % block_size
                             for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
                             for p in range(kv - q, kv)]
@@ -146,15 +145,18 @@ class TritonAttention:
                                self._chunker(device))
 
     @staticmethod
-    def _runs(layout: BatchLayout) -> KVRuns:
-        """The KV runs of a forward: a decode step's segments, or each sequence's whole context (flat)."""
+    def _runs(layout: BatchLayout) -> list[tuple]:
+        """(query tokens, kv start, kv end, blocks from start // block_size) per KV run: a decode step's segments
+        (a KVSegment is that tuple), or each sequence's whole context (flat)."""
         if layout.segments is not None:
             if not layout.is_decode:
                 raise ValueError("segments describe decode steps; a prefill layout must leave them None.")
-            return KVRuns.of(layout.segments)  # a KVSegment is the tuple (rows, start, end, blocks)
-        first = np.cumsum([0, *layout.q_lens])
-        return KVRuns.of([(range(first[i], first[i + 1]), 0, kv, table)
-                          for i, (kv, table) in enumerate(zip(layout.kv_lens, layout.block_tables))])
+            return layout.segments
+        runs, first = [], 0
+        for q, kv, table in zip(layout.q_lens, layout.kv_lens, layout.block_tables):
+            runs.append((range(first, first + q), 0, kv, table))
+            first += q
+        return runs
 
     def _chunker(self, device: torch.device):
         """chunk_for(work): positions per item, for a launch of `work` tile-positions (tiles x run lengths).
