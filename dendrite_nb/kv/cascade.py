@@ -27,17 +27,22 @@ def build_segments(tree: BranchTree, leaves: Sequence[Node], tables: Sequence[Se
     size = tree.block_size
     paths: list[list[Node]] = []
     readers: dict[int, list[int]] = {}  # node id -> rows whose path holds it
+    nodes: dict[int, Node] = {}
+    root = tree.root
     for row, leaf in enumerate(leaves):
         path, node = [], leaf
-        while node is not tree.root:
+        while node is not root:
             path.append(node)
-            readers.setdefault(node.id, []).append(row)
+            rows = readers.get(node.id)
+            if rows is None:
+                readers[node.id], nodes[node.id] = [row], node
+            else:
+                rows.append(row)
             node = node.parent
         path.reverse()
         paths.append(path)
-
-    def is_shared(node: Node) -> bool:
-        return len(readers[node.id]) >= 2 and node.end - node.start >= min_shared_tokens
+    shared_ids = {node_id for node_id, rows in readers.items()  # read by two rows or more, and long enough
+                  if len(rows) >= 2 and len(nodes[node_id].tokens) >= min_shared_tokens}
 
     shared: dict[int, list] = {}  # id of a segment's first node -> [rows, start, end, deepest node]
     segments: list[KVSegment] = []
@@ -45,7 +50,7 @@ def build_segments(tree: BranchTree, leaves: Sequence[Node], tables: Sequence[Se
         run_start = None  # start of the private run being gathered
         previous = None  # the shared segment just before, which an identical-readers node extends
         for node in path:
-            if not is_shared(node):
+            if node.id not in shared_ids:
                 run_start = node.start if run_start is None else run_start
                 previous = None
                 continue
