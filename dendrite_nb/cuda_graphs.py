@@ -71,12 +71,12 @@ class DecodeGraphs:
         bucket = next(b for b in BATCH_BUCKETS if b >= rows)
         host = self.backend.host_plan(layout, self.block_size, self.device)
         need = host.shape()
-        staged = _Staged(bucket, rows, host, layout.positions)
+        staged = _Staged(bucket, rows, host, layout.positions)  # made once: the upload below reuses them
         staged.captured = next((c for key, c in self._graphs.items() if key[0] == bucket and c.shape.fits(need)),
                                None)
         if staged.captured is not None:
             self._graphs.move_to_end((bucket, staged.captured.shape))
-            self._upload_plan(staged.captured, host, layout.positions)
+            self._upload_plan(staged.captured, host, staged.positions)
         return staged
 
     def launch(self, staged: _Staged, input_ids: torch.Tensor) -> torch.Tensor:
@@ -133,17 +133,17 @@ class DecodeGraphs:
 def _blas_library(name: str):
     """torch's preferred BLAS library set to `name` inside the block, and put back after it; left as it is
     where this torch build lacks that library (torch refuses the setting)."""
-    with warnings.catch_warnings():  # torch marks the preference experimental, in a warning per process
-        warnings.simplefilter("ignore")
-        previous = torch.backends.cuda.preferred_blas_library()
-        try:
-            torch.backends.cuda.preferred_blas_library(name)
-        except RuntimeError:
-            previous = None
+    def prefer(*library: str):
+        with warnings.catch_warnings():  # torch marks the preference experimental, in a warning per process
+            warnings.simplefilter("ignore")
+            return torch.backends.cuda.preferred_blas_library(*library)
+    previous = prefer()
+    try:
+        prefer(name)
+    except RuntimeError:
+        previous = None
     try:
         yield
     finally:
         if previous is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                torch.backends.cuda.preferred_blas_library(previous)
+            prefer(previous)

@@ -35,6 +35,8 @@ class BatchLayout:
 
     @property
     def positions(self) -> list[int]:
+        if self.is_decode:  # each row's one new token sits at its last position: no per-token loop
+            return [kv - 1 for kv in self.kv_lens]
         return [p for q, kv in zip(self.q_lens, self.kv_lens) for p in range(kv - q, kv)]
 
     @property

@@ -131,15 +131,10 @@ class TritonAttention:
     def host_plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> HostPlan:
         """Work items and index arrays for `layout`, on the host (no device work)."""
         narrow = max(16, 1 << (self.group - 1).bit_length())
-        if layout.is_decode:  # one token per row, at its last position: no per-token loop
-            positions = [kv - 1 for kv in layout.kv_lens]
-            slot_mapping = [table[p // block_size] * block_size + p % block_size
-                            for table, p in zip(layout.block_tables, positions)]
-        else:
-            positions = layout.positions
-            slot_mapping = [table[p // block_size] * block_size + p % block_size
-                            for table, q, kv in zip(layout.block_tables, layout.q_lens, layout.kv_lens)
-                            for p in range(kv - q, kv)]
+        positions = layout.positions
+        tables = (layout.block_tables if layout.is_decode  # each token's block table (a decode row has one token)
+                  else [table for table, q in zip(layout.block_tables, layout.q_lens) for _ in range(q)])
+        slot_mapping = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
         widths = (narrow,) + tuple(w for w in self.tile_widths if w > narrow)
         return build_host_plan(self._runs(layout), positions, slot_mapping, block_size, self.group, widths,
                                self._chunker(device))

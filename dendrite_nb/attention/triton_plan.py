@@ -205,7 +205,7 @@ def plan_by_arrays(runs: KVRuns, positions: np.ndarray, slot_mapping: Sequence[i
     tile_in_run = np.arange(len(run_of_tile)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     entry_off = runs.row_ptr[:-1][run_of_tile] + tile_in_run * per_tile[run_of_tile]  # entries are runs.rows
     tile_rows = np.minimum(per_tile[run_of_tile], rows_per_run[run_of_tile] - tile_in_run * per_tile[run_of_tile])
-    entry_pos = np.asarray(positions, dtype=np.int64)[runs.rows]
+    entry_pos = positions[runs.rows]
     last_pos = np.maximum.reduceat(entry_pos, entry_off) if len(entry_off) else entry_off
     tile_start = runs.starts[run_of_tile]
     tile_hi = np.minimum(runs.ends[run_of_tile], last_pos + 1)  # causal: nothing past the tile's last token
@@ -217,7 +217,8 @@ def plan_by_arrays(runs: KVRuns, positions: np.ndarray, slot_mapping: Sequence[i
     lo = tile_start[tile_of_item] + chunk_in_tile * tile_chunk[tile_of_item]
     item_rows = tile_rows[tile_of_item]
     run_of_item = run_of_tile[tile_of_item]
-    table = np.stack([entry_off[tile_of_item], item_rows, lo, np.minimum(tile_hi[tile_of_item], lo + tile_chunk[tile_of_item]),
+    hi = np.minimum(tile_hi[tile_of_item], lo + tile_chunk[tile_of_item])
+    table = np.stack([entry_off[tile_of_item], item_rows, lo, hi,
                       runs.block_ptr[:-1][run_of_item] - runs.starts[run_of_item] // block_size,
                       np.cumsum(item_rows) - item_rows], axis=1).astype(np.int32).reshape(-1, ITEM_COLS)
     width_of_item = width_of_run[run_of_item]

@@ -258,6 +258,7 @@ class BranchTree:
             for branch in branches:
                 node = branch.node
                 tokens = node.tokens
+                # Inline, for speed: not _extends_in_place(branch), or _needed(node, True, 1) > 0 (with swapped).
                 if (node is root or node.children or node.swapped_blocks or len(node.branch_names) != 1
                         or branch.name not in node.branch_names
                         or -(-(node.start + len(tokens) + 1) // size) - node.start // size > len(node.blocks)):
