@@ -25,7 +25,7 @@ from decode_step import CASES, GREEDY, SMOKE_CASES, Case, num_blocks
 from dendrite_nb import SamplingParams
 from dendrite_nb.attention.triton_backend import TritonAttention
 from dendrite_nb.attention.triton_plan import HostPlan
-from dendrite_nb.cuda_graphs import DecodeGraphs
+from dendrite_nb.cuda_graphs import ForwardGraphs
 from dendrite_nb.forward import ForwardRunner
 from dendrite_nb.kv.cascade import SegmentCache, decode_layout
 from dendrite_nb.kv.tree import BranchTree
@@ -37,13 +37,13 @@ HOST_PHASES = [
     (BranchTree, "append", "  tree.append"),
     (BranchTree, "block_table", "  block tables"),
     (SegmentCache, "segments", "  segments"),
-    (DecodeGraphs, "prepare", "  graphs.prepare"),
+    (ForwardGraphs, "prepare", "  graphs.prepare"),
     (TritonAttention, "host_plan", "    host_plan"),
     (HostPlan, "pack", "    pack"),
     (engine_module, "sample", "sample (launch)"),
     (ForwardRunner, "read_back", "read_back"),
     (engine_module.Engine, "_finish_decode", "finish step (forward launch)"),
-    (DecodeGraphs, "launch", "  graphs.launch"),
+    (ForwardGraphs, "launch", "  graphs.launch"),
     (torch.cuda.CUDAGraph, "replay", "    graph.replay"),
     (engine_module.Engine, "_emit", "_emit (listeners)"),
 ]

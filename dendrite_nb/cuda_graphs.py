@@ -1,13 +1,20 @@
-"""CUDA graphs for decode steps: the whole decoder (embedding to final norm) replays as one graph.
+"""CUDA graphs for decode steps and short prefills: the whole decoder (embedding to final norm) replays as one
+graph.
 
-A decode step of a small model is hundreds of short kernels; launched one by one from Python, the
-launch gaps cost more than the kernels (0.6B: ~300 launches). A graph is captured per (batch bucket,
-plan shape): the batch is padded to the next bucket and every plan section to a power of two, so one
-graph serves many steps of a growing context. A step is prepared before its tokens exist: positions and
-attention plan go to the graph's static buffer in one host-to-device copy (queued behind the step still
-running). It is launched once the sampler has written the tokens on the device: a device copy puts them
-in the buffer, no trip through the host. Padding rows write their KV into the pool's sink block, own no
-attention work, and their outputs are dropped.
+A forward of a small model is hundreds of short kernels; launched one by one from Python, the launch gaps
+cost more than the kernels (0.6B: ~300 launches, about 10 ms of host time against well under 1 ms on an
+H200's GPU). A graph is captured per (token bucket, plan shape): the tokens are padded to the next bucket
+and every plan section to a power of two, so one graph serves many steps of a growing context. A step is
+prepared before its tokens exist: positions and attention plan go to the graph's static buffer in one
+host-to-device copy (queued behind the step still running). It is launched once the sampler has written the
+tokens on the device: a device copy puts them in the buffer, no trip through the host. Padding tokens write
+their KV into the pool's sink block, own no attention work, and their outputs are dropped.
+
+A graph does not care whether its tokens are one per row (a decode step) or runs of one sequence (a prefill:
+the plan's items carry the causal mask), so short prefills replay graphs too: forked branches each given a
+short instruction reach their first token without an eager forward. A decode shape is
+captured the first time it comes up, since decoding repeats it step after step; a prefill shape only the
+second time (capturing costs about two eager forwards, and a one-off prompt would never earn that back).
 """
 from __future__ import annotations
 
@@ -21,7 +28,13 @@ import torch
 
 from .attention.base import BatchLayout
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens per graph
+# Prefills replay graphs when each sequence brings at most PREFILL_GRAPH_RUN_TOKENS (an instruction, a message)
+# and all of them at most PREFILL_GRAPH_TOKENS. A long document's 512-token chunks stay eager: each chunk's
+# context differs, so their shapes rarely repeat, and capturing them evicted graphs that did.
+PREFILL_GRAPH_RUN_TOKENS = 128
+PREFILL_GRAPH_TOKENS = 1024
+SEEN_PREFILL_SHAPES = 256  # prefill shapes remembered for their second sighting (least recently seen dropped)
 MAX_GRAPHS = 32  # least recently used graphs beyond this are dropped (each holds its plan buffers)
 # The BLAS library whose kernels a graph captures for the products it sends to cuBLAS (more rows than
 # kernels/skinny.py takes). For 64 rows of an 8B model, cuBLASLt picks kernels that run the layer's products
@@ -45,51 +58,66 @@ class _Captured:
 @dataclass(slots=True)
 class _Staged:
     bucket: int
-    rows: int
+    tokens: int
     host: Any  # the backend's host plan
     positions: list[int]
-    captured: _Captured | None = None  # None: no graph of this bucket and shape yet (captured at launch)
+    captured: _Captured | None = None  # None: no graph of this bucket and shape yet
+    capture: bool = True  # with no graph yet: capture one at launch (False: the step runs eagerly)
 
 
-class DecodeGraphs:
+class ForwardGraphs:
     def __init__(self, model: torch.nn.Module, backend: Any, kv_layers: list, device: torch.device,
                  block_size: int, sink_slot: int):
         self.model, self.backend, self.kv_layers = model, backend, kv_layers
         self.device, self.block_size, self.sink_slot = device, block_size, sink_slot
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool: graphs replay one at a time
+        self._seen_prefills: OrderedDict[tuple, None] = OrderedDict()  # (bucket, padded shape) met once
         self.captures = 0  # how many graphs were captured (the tests check that buckets are reused)
 
     @staticmethod
     def fits(layout: BatchLayout) -> bool:
-        return layout.is_decode and len(layout.q_lens) <= BATCH_BUCKETS[-1]
+        if layout.is_decode:
+            return len(layout.q_lens) <= BATCH_BUCKETS[-1]
+        return max(layout.q_lens) <= PREFILL_GRAPH_RUN_TOKENS and sum(layout.q_lens) <= PREFILL_GRAPH_TOKENS
 
     def prepare(self, layout: BatchLayout) -> _Staged:
         """The token-free half of a step: its positions and plan sent to the graph that will replay it. The
-        copy is queued behind the work already on the stream (the step still running reads this buffer)."""
-        rows = len(layout.q_lens)
-        bucket = next(b for b in BATCH_BUCKETS if b >= rows)
+        copy is queued behind the work already on the stream (the step still running reads this buffer).
+        A prefill whose shape has no graph and was not seen before gets `capture` False: run it eagerly
+        from `host` (ForwardRunner does)."""
+        positions = layout.positions
+        bucket = next(b for b in BATCH_BUCKETS if b >= len(positions))
         host = self.backend.host_plan(layout, self.block_size, self.device)
         need = host.shape()
-        staged = _Staged(bucket, rows, host, layout.positions)  # made once: the upload below reuses them
+        staged = _Staged(bucket, len(positions), host, positions)  # made once: the upload below reuses them
         staged.captured = next((c for key, c in self._graphs.items() if key[0] == bucket and c.shape.fits(need)),
                                None)
         if staged.captured is not None:
             self._graphs.move_to_end((bucket, staged.captured.shape))
             self._upload_plan(staged.captured, host, staged.positions)
+        elif not layout.is_decode:
+            key = (bucket, need.padded(bucket))
+            staged.capture = key in self._seen_prefills
+            self._seen_prefills[key] = None
+            self._seen_prefills.move_to_end(key)
+            while len(self._seen_prefills) > SEEN_PREFILL_SHAPES:
+                self._seen_prefills.popitem(last=False)
         return staged
 
     def launch(self, staged: _Staged, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states [B, hidden] of the step (a fresh tensor); writes its KV. input_ids: [B] on the device
-        (the sampler's output: no trip through the host). The graph is captured here the first time a
-        bucket and plan shape come up (capturing runs the step once for real)."""
+        """Hidden states [T, hidden] of the step (a fresh tensor); writes its KV. input_ids: [T] on the device
+        (a decode step's are the sampler's output: no trip through the host). The graph is captured here
+        when a bucket and plan shape have none yet and staged.capture (capturing runs the step once for real)."""
         captured = staged.captured
         if captured is None:
+            if not staged.capture:
+                raise RuntimeError("this step was staged to run eagerly (capture False); ForwardRunner runs it.")
             captured = self._capture(staged.bucket, staged.host.shape().padded(staged.bucket), staged.host,
                                      input_ids, staged.positions)
-        captured.buffer[: staged.rows].copy_(input_ids)  # padding rows keep older ids: any valid id will do
+        captured.buffer[: staged.tokens].copy_(input_ids)  # padding tokens keep older ids: any valid id will do
         captured.graph.replay()
-        return captured.hidden[: staged.rows].clone()
+        return captured.hidden[: staged.tokens].clone()
 
     def _upload_plan(self, captured: _Captured, host: Any, positions: list[int]) -> None:
         """Positions and plan into the graph's buffer, through its pinned staging twin (the ids come at launch)."""

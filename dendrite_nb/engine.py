@@ -104,7 +104,7 @@ class Engine:
         self._kv_layers = self.pool.layers()
         if self.device.type == "cuda" and fused_kernels_available(self.device):
             self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
-        self._graphs = self._decode_graphs(cuda_graphs)
+        self._graphs = self._forward_graphs(cuda_graphs)
         self._runner = ForwardRunner(self.model, self.backend, self.pool, self._kv_layers, self._graphs, self.device)
         # Preempted KV beyond this many host bytes is dropped and recomputed on resume (None: half the free RAM).
         self.host_memory_limit_bytes: int | None = None
@@ -118,8 +118,8 @@ class Engine:
         self._guidance = None   # llguidance state, built by the first constraint
 
     # ---- construction -------------------------------------------------------------------------
-    def _decode_graphs(self, wanted: bool | None):
-        """Decode steps replay CUDA graphs on CUDA with a backend whose plans can be padded (triton)."""
+    def _forward_graphs(self, wanted: bool | None):
+        """Decode steps and short prefills replay CUDA graphs on CUDA with a backend whose plans can be padded (triton)."""
         reason = None
         if self.device.type != "cuda":
             reason = "they need a CUDA device"
@@ -131,9 +131,9 @@ class Engine:
             return None
         if reason is not None:
             raise ValueError(f"cuda_graphs=True, but {reason}.")
-        from .cuda_graphs import DecodeGraphs
+        from .cuda_graphs import ForwardGraphs
 
-        return DecodeGraphs(self.model, self.backend, self._kv_layers, self.device, self.pool.block_size,
+        return ForwardGraphs(self.model, self.backend, self._kv_layers, self.device, self.pool.block_size,
                             self.pool.sink_slot)
 
     @classmethod

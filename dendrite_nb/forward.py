@@ -22,7 +22,7 @@ from .kv.cascade import SegmentCache
 class PlannedForward:
     records: list[AppendRecord]
     layout: BatchLayout
-    staged: Any = None  # a graph step staged by DecodeGraphs.prepare, or None for an eager forward
+    staged: Any = None  # a graph step staged by ForwardGraphs.prepare, or None for an eager forward
     plan: Any = None  # the backend's plan of an eager forward
     positions: torch.Tensor | None = None  # [T] of an eager forward, on the device
 
@@ -52,11 +52,15 @@ class ForwardRunner:
             if record.cow is not None:
                 self.pool.copy_block(*record.cow)
         planned = PlannedForward(records, layout)
+        reuse = {}
         if self.graphs is not None and self.graphs.fits(layout):
-            planned.staged = self.graphs.prepare(layout)
-        else:
-            planned.plan = self.backend.plan(layout, self.pool.block_size, self.device)
-            planned.positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
+            staged = self.graphs.prepare(layout)
+            if staged.captured is not None or staged.capture:
+                planned.staged = staged
+                return planned
+            reuse["host"] = staged.host  # a prefill shape met for the first time runs eagerly (cuda_graphs.py)
+        planned.plan = self.backend.plan(layout, self.pool.block_size, self.device, **reuse)
+        planned.positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
         return planned
 
     def run(self, planned: PlannedForward, token_ids: list[int] | torch.Tensor) -> None:

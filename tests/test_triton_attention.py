@@ -281,6 +281,37 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoint):
 
 
 @pytest.mark.gpu
+def test_cuda_graph_prefills_equal_eager_prefills(checkpoint):
+    """Forks given short instructions: the first prefill of a shape runs eagerly, the second captures a graph,
+    later ones (another instruction length in the same bucket included) replay it. Every round's logits and
+    tokens equal an engine without graphs."""
+    results, captures = [], []
+    for graphs in (False, True):
+        eng = Engine.from_pretrained(checkpoint(), device="cuda", attention="triton", num_blocks=512, block_size=4,
+                                     cuda_graphs=graphs, debug=True)
+        trunk = eng.new_branch("trunk", "One document that many analyses fork from")
+        vocab = eng.config.vocab_size
+        rounds, counts = [], []
+        for round_, length in enumerate((6, 6, 6, 5)):
+            kids = eng.fork(trunk, 3)
+            eng.append_many((kid, [(round_ * 31 + i * 7 + j) % vocab for j in range(length + i)])
+                            for i, kid in enumerate(kids))
+            logits = eng.next_logits(kids)
+            rounds.append((logits, eng.generate(kids, 4, GREEDY)))
+            counts.append(eng._graphs.captures if graphs else 0)
+            eng.prune(kids)
+        results.append(rounds)
+        captures.append(counts)
+        eng.audit()
+    for (eager_logits, eager_tokens), (graph_logits, graph_tokens) in zip(*results):
+        assert (eager_logits - graph_logits).abs().max() < 1e-4
+        assert eager_tokens == graph_tokens
+    decode_captures = captures[1][0]  # the first round captured its decode steps' graphs, not its prefill's
+    assert captures[1][1] == decode_captures + 1  # the second sight of the prefill shape captured it
+    assert captures[1][3] == captures[1][2] == captures[1][1]  # replayed, the shorter instructions included
+
+
+@pytest.mark.gpu
 def test_cuda_graph_steps_of_many_rows_equal_eager_steps(checkpoint):
     """24 leaves: more rows than skinny takes, so the graphs capture their products through cuBLASLt
     (cuda_graphs.GRAPH_BLAS_LIBRARY) while the eager engine runs torch's default cuBLAS."""

@@ -104,10 +104,11 @@ class TritonAttention:
 
     # ---- plan ---------------------------------------------------------------------------------------
     def plan(self, layout: BatchLayout, block_size: int, device: torch.device,
-             shape: PlanShape | None = None, trash_slot: int = 0) -> TritonPlan:
+             shape: PlanShape | None = None, trash_slot: int = 0, host: HostPlan | None = None) -> TritonPlan:
         """Device metadata for one forward. With `shape` (CUDA graphs), every section is padded to it:
-        padding items have no rows, padding tokens own no slots and write their KV to `trash_slot`."""
-        host = self.host_plan(layout, block_size, device)
+        padding items have no rows, padding tokens own no slots and write their KV to `trash_slot`.
+        host: host_plan(layout, ...) where the caller has made it already."""
+        host = host if host is not None else self.host_plan(layout, block_size, device)
         shape = shape or host.shape()
         packed = host.pack(shape, trash_slot)
         if device.type == "cuda":
