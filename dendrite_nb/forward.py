@@ -8,6 +8,7 @@ the GPU instead of leaving it idle between steps.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,9 +49,10 @@ class ForwardRunner:
             segments = self.segments.segments(tree, [record.node for record in records], tables)
         layout = BatchLayout(q_lens=q_lens, kv_lens=[record.node.end for record in records], block_tables=tables,
                              segments=segments)
-        for record in records:
-            if record.cow is not None:
-                self.pool.copy_block(*record.cow)
+        copies = [record.cow for record in records if record.cow is not None]
+        if copies:
+            sources, targets = zip(*copies)
+            self.pool.copy_blocks(self._on_device(sources), self._on_device(targets))
         planned = PlannedForward(records, layout)
         reuse = {}
         if self.graphs is not None and self.graphs.fits(layout):
@@ -60,21 +62,30 @@ class ForwardRunner:
                 return planned
             reuse["host"] = staged.host  # a prefill shape met for the first time runs eagerly (cuda_graphs.py)
         planned.plan = self.backend.plan(layout, self.pool.block_size, self.device, **reuse)
-        planned.positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
+        planned.positions = self._on_device(layout.positions)
         return planned
+
+    def _on_device(self, values) -> torch.Tensor:
+        """A long tensor of `values` on the device, copied from pinned memory without waiting: a copy from
+        pageable memory (torch.tensor(values, device=...)) first waits for all the work queued on the stream,
+        so the host could not plan the next forward while the GPU runs this one."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def run(self, planned: PlannedForward, token_ids: list[int] | torch.Tensor) -> None:
         """Write the tokens' KV and set each run's node.last_hidden (the final hidden state of its last token).
         token_ids: a list, or a [T] tensor already on the device (a decode step's sampled tokens)."""
         layout = planned.layout
         if not isinstance(token_ids, torch.Tensor):
-            token_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            token_ids = self._on_device(token_ids)
         if planned.staged is not None:
             hidden = self.graphs.launch(planned.staged, token_ids)  # [T, hidden]
         else:
             hidden = self.model(token_ids, planned.positions, self.kv_layers, self.backend, planned.plan)
         if not layout.is_decode:  # keep each sequence's last token (a host-built index: no device sync)
-            hidden = hidden[torch.tensor(layout.q_lens).cumsum(0).sub_(1).to(self.device, non_blocking=True)]
+            hidden = hidden[self._on_device(list(itertools.accumulate(layout.q_lens, initial=-1)))[1:]]
         rows = list(hidden)
         for record, row in zip(planned.records, rows):
             record.node.last_hidden = row

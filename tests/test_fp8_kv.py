@@ -317,3 +317,24 @@ def test_fp8_engine_on_cuda_stores_the_same_kv_through_the_triton_backend():
     assert torch.equal(triton_engine.scales[0], reference.scales[0])
     logits = [eng.next_logits([branch])[0] for eng, branch in zip(engines, branches)]
     assert relative_error(logits[1], logits[0]) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_copy_blocks_equals_one_copy_block_per_pair(dtype):
+    """The batched copy-on-write copy (one gather, one scatter) moves the same bytes, scales included, as a
+    copy_block per pair, with a source repeated (forks sharing one tail block)."""
+    pools = [KVPool(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=8, block_size=4, dtype=dtype,
+                    device=torch.device("cpu")) for _ in range(2)]
+    generator = torch.Generator().manual_seed(3)
+    for pool in pools:
+        pool.kv.view(torch.uint8).copy_(torch.randint(0, 120, pool.kv.view(torch.uint8).shape, generator=generator,
+                                                      dtype=torch.uint8))
+        if pool.scales is not None:
+            pool.scales.copy_(torch.rand(pool.scales.shape, generator=generator))
+        generator.manual_seed(3)
+    pairs = [(1, 4), (1, 6), (2, 0)]
+    for source, target in pairs:
+        pools[0].copy_block(source, target)
+    pools[1].copy_blocks(torch.tensor([s for s, _ in pairs]), torch.tensor([t for _, t in pairs]))
+    assert_same_pools(*pools)
+    assert torch.equal(pools[1].kv[:, :, 6].view(torch.uint8), pools[1].kv[:, :, 1].view(torch.uint8))

@@ -66,6 +66,14 @@ class KVPool:
         if self.scales is not None:
             self.scales[:, :, dst] = self.scales[:, :, src]
 
+    def copy_blocks(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """copy_block for each pair, in one gather and one scatter per tensor (the copy-on-write copies of a
+        forward: 50 forks given their instructions copy 50 tail blocks). Indices: long tensors on the pool's
+        device; targets are distinct and are none of the sources."""
+        for tensor in (self.kv, self.scales) if self.scales is not None else (self.kv,):
+            raw = tensor.view(torch.uint8)  # bytes: index_copy_ has no float8 kernels
+            raw.index_copy_(2, targets, raw.index_select(2, sources))
+
     def _poison(self, block_ids: list[int] | slice) -> None:
         self.kv[:, :, block_ids] = CANARY
         if self.scales is not None:  # a read of a freed fp8 block then dequantises to a glaring -416 * -416
