@@ -123,6 +123,16 @@ def test_fanout(run):
     assert "SwarmKV" in payload["notes"][0]
 
 
+def test_prefill_chunks(run):
+    payload, _ = run("prefill_chunks")
+    table = rows(payload)
+    assert [(r["tokens"], r["chunk"]) for r in table] == [(96, 16), (96, 64)]
+    assert table[0]["floor_ms"] == table[1]["floor_ms"] > 0   # the document's floor, whatever its chunks
+    for row in table:
+        assert math.isclose(row["x_floor"], row["ms"] / row["floor_ms"], rel_tol=1e-9)
+        assert math.isclose(row["hf_ratio"], row["hf_ms"] / row["ms"], rel_tol=1e-9)
+
+
 def test_gpu_diagnostics_name_what_exists(monkeypatch):
     """profile_step.py, tune_tree_attention.py and tune_skinny.py run on a GPU only; here, every function they
     time and every attention variant they build must still exist, so a rename breaks this test, not the GPU
