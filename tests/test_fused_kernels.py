@@ -344,11 +344,11 @@ def test_rope_refuses_a_table_of_another_dtype():
 
 
 # ---- the model with fused kernels on ---------------------------------------------------------------------
-def tiny_engine(shape: str, dtype: str = "float32", attention: str = "auto") -> Engine:
+def tiny_engine(shape: str, dtype: str = "float32", attention: str = "auto", **options) -> Engine:
     """A random tiny model with the tiny checkpoints' weight scale (from_random's 0.02 init and unit norm weights
     make attention near uniform and norm weights invisible, so RoPE or norm bugs would barely move the logits)."""
     eng = Engine.from_random(TINY_SHAPES[shape].hf_config(vocab_size=256), device=DEVICE, dtype=dtype,
-                             num_blocks=64, block_size=4, attention=attention)
+                             num_blocks=64, block_size=4, attention=attention, **options)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in eng.model.named_parameters():
@@ -399,7 +399,9 @@ def stored_bytes(model: torch.nn.Module) -> int:
 
 
 def test_fusing_keeps_names_and_weight_memory_and_the_reference_path():
-    eng = tiny_engine("qwen3-mha-untied")
+    # No CUDA graphs: the prompt's second prefill would replay one (cuda_graphs.py), whose products over rows
+    # padded to a bucket may round differently, and this test compares the reference path bit for bit.
+    eng = tiny_engine("qwen3-mha-untied", cuda_graphs=False)
     model = eng.model
     keys, names, bytes_before = list(model.state_dict()), [n for n, _ in model.named_parameters()], stored_bytes(model)
     branch = eng.new_branch("a", PROMPT)
