@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
             ids = random_ids(length, model.config.vocab_size, seed=1)
             hf_ms = None
             if fits_in_memory(setup, costs.kv_bytes(length) + 8 * length * model.config.intermediate_size * 2):
-                twin = twin or hf_twin(model, hf_config, setup)
+                if twin is None:
+                    twin = hf_twin(model, hf_config, setup)
                 tensor = torch.tensor([ids], device=setup.device)
 
                 def hf_prefill():

@@ -59,11 +59,15 @@ class _Captured:
 @dataclass(slots=True)
 class _Staged:
     bucket: int
-    tokens: int
     host: Any  # the backend's host plan
-    positions: list[int]
+    positions: list[int]  # one per token
     captured: _Captured | None = None  # None: no graph of this bucket and shape yet
     capture: bool = True  # with no graph yet: capture one at launch (False: the step runs eagerly)
+
+    @property
+    def replays(self) -> bool:
+        """Whether launch() runs this step through a graph (one it has, or one it captures)."""
+        return self.captured is not None or self.capture
 
 
 class ForwardGraphs:
@@ -91,7 +95,7 @@ class ForwardGraphs:
         bucket = next(b for b in BATCH_BUCKETS if b >= len(positions))
         host = self.backend.host_plan(layout, self.block_size, self.device)
         need = host.shape()
-        staged = _Staged(bucket, len(positions), host, positions)  # made once: the upload below reuses them
+        staged = _Staged(bucket, host, positions)  # made once: the upload below reuses them
         staged.captured = next((c for key, c in self._graphs.items() if key[0] == bucket and c.shape.fits(need)),
                                None)
         if staged.captured is not None:
@@ -110,15 +114,16 @@ class ForwardGraphs:
         """Hidden states [T, hidden] of the step (a fresh tensor); writes its KV. input_ids: [T] on the device
         (a decode step's are the sampler's output: no trip through the host). The graph is captured here
         when a bucket and plan shape have none yet and staged.capture (capturing runs the step once for real)."""
+        if not staged.replays:
+            raise RuntimeError("this step was staged to run eagerly (capture False); ForwardRunner runs it.")
         captured = staged.captured
         if captured is None:
-            if not staged.capture:
-                raise RuntimeError("this step was staged to run eagerly (capture False); ForwardRunner runs it.")
             captured = self._capture(staged.bucket, staged.host.shape().padded(staged.bucket), staged.host,
                                      input_ids, staged.positions)
-        captured.buffer[: staged.tokens].copy_(input_ids)  # padding tokens keep older ids: any valid id will do
+        tokens = len(staged.positions)
+        captured.buffer[:tokens].copy_(input_ids)  # padding tokens keep older ids: any valid id will do
         captured.graph.replay()
-        return captured.hidden[: staged.tokens].clone()
+        return captured.hidden[:tokens].clone()
 
     def _upload_plan(self, captured: _Captured, host: Any, positions: list[int]) -> None:
         """Positions and plan into the graph's buffer, through its pinned staging twin (the ids come at launch)."""

@@ -49,15 +49,15 @@ class ForwardRunner:
             segments = self.segments.segments(tree, [record.node for record in records], tables)
         layout = BatchLayout(q_lens=q_lens, kv_lens=[record.node.end for record in records], block_tables=tables,
                              segments=segments)
-        copies = [record.cow for record in records if record.cow is not None]
+        copies = [record.cow for record in records if record.cow is not None]  # (source, target) block pairs
         if copies:
-            sources, targets = zip(*copies)
-            self.pool.copy_blocks(self._on_device(sources), self._on_device(targets))
+            pairs = self._on_device(copies)  # [copies, 2]: one host-to-device copy
+            self.pool.copy_blocks(pairs[:, 0], pairs[:, 1])
         planned = PlannedForward(records, layout)
         reuse = {}
         if self.graphs is not None and self.graphs.fits(layout):
             staged = self.graphs.prepare(layout)
-            if staged.captured is not None or staged.capture:
+            if staged.replays:
                 planned.staged = staged
                 return planned
             reuse["host"] = staged.host  # a prefill shape met for the first time runs eagerly (cuda_graphs.py)
@@ -66,7 +66,7 @@ class ForwardRunner:
         return planned
 
     def _on_device(self, values) -> torch.Tensor:
-        """A long tensor of `values` on the device, copied from pinned memory without waiting: a copy from
+        """A long tensor of `values` (a list, or a list of equal-length tuples) on the device, copied from pinned memory without waiting: a copy from
         pageable memory (torch.tensor(values, device=...)) first waits for all the work queued on the stream,
         so the host could not plan the next forward while the GPU runs this one."""
         host = torch.tensor(values, dtype=torch.long)
