@@ -9,9 +9,14 @@ products, against cuBLAS with the norms and the SwiGLU as their own kernels.
    norm and SwiGLU kernels, against skinny with the folds (default settings and each shape's fastest), and
    skinny only where it folds (cuBLAS for o and down). Floor: the weights' bytes over the copy bandwidth measured here.
 
-    python benchmarks/tune_skinny.py [--rows 8]
+3. With --chain-sweep MODEL, instead: each product's settings (SETTINGS) timed inside MODEL's whole chain of
+   products, one product at a time, the others at their defaults.
+
+    python benchmarks/tune_skinny.py [--rows 8] [--skip-sweep] [--chain-sweep 8b]
 """
 from __future__ import annotations
+
+import statistics
 
 import torch
 from torch.nn import functional as F
@@ -94,14 +99,37 @@ def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int
     return best
 
 
+def model_layers(model: str, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Random bf16 weights of every layer of `model`: (q/k/v, o, gate/up, down, norm 1, norm 2) each."""
+    hidden, q_width, qkv_rows, intermediate, count = MODELS[model]
+
+    def make(out_features, width):
+        return torch.empty(out_features, width, device=device, dtype=torch.bfloat16).normal_(0, 0.02)
+    return [(make(qkv_rows, hidden), make(hidden, q_width), make(2 * intermediate, hidden), make(hidden, intermediate),
+             1 + 0.1 * torch.randn(hidden, device=device, dtype=torch.bfloat16),
+             1 + 0.1 * torch.randn(hidden, device=device, dtype=torch.bfloat16)) for _ in range(count)]
+
+
+def skinny_chain(layers, x0: torch.Tensor, q_width: int, configs: dict, cublas_unfolded: bool = False,
+                 splits: int | None = None):
+    """A callable running every layer's products through skinny (configs by product name; None: default)."""
+    def run():
+        x, residual = x0, None
+        for qkv, o, gate_up, down, norm1, norm2 in layers:
+            h, residual = skinny(x, qkv, norm=(residual, norm1, EPS), config=configs["qkv"], splits=splits)
+            a = h[:, :q_width]
+            x = F.linear(a, o) if cublas_unfolded else skinny(a, o, config=configs["o"], splits=splits)
+            h, residual = skinny(x, gate_up, norm=(residual, norm2, EPS), swiglu=True, config=configs["gate_up"],
+                                 splits=splits)
+            x = F.linear(h, down) if cublas_unfolded else skinny(h, down, config=configs["down"], splits=splits)
+        return x, residual
+    return run
+
+
 def chains(setup, floors, rows: int, best) -> None:
     device, dtype = setup.device, torch.bfloat16
-    for model, (hidden, q_width, qkv_rows, intermediate, count) in MODELS.items():
-        def make(out_features, width):
-            return torch.empty(out_features, width, device=device, dtype=dtype).normal_(0, 0.02)
-        layers = [(make(qkv_rows, hidden), make(hidden, q_width), make(2 * intermediate, hidden),
-                   make(hidden, intermediate), 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype),
-                   1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype)) for _ in range(count)]
+    for model, (hidden, q_width, _, _, count) in MODELS.items():
+        layers = model_layers(model, device)
         nbytes = sum(t.numel() * 2 for layer in layers for t in layer[:4])
         x0 = torch.randn(rows, hidden, device=device, dtype=dtype)
 
@@ -117,33 +145,20 @@ def chains(setup, floors, rows: int, best) -> None:
                 x = F.linear(silu_mul(F.linear(normed, gate_up)), down)
             return x, residual
 
-        def skinny_chain(configs, cublas_unfolded=False, splits=None):
-            def run():
-                x, residual = x0, None
-                for qkv, o, gate_up, down, norm1, norm2 in layers:
-                    h, residual = skinny(x, qkv, norm=(residual, norm1, EPS), config=configs["qkv"], splits=splits)
-                    a = h[:, :q_width]
-                    x = F.linear(a, o) if cublas_unfolded else skinny(a, o, config=configs["o"], splits=splits)
-                    h, residual = skinny(x, gate_up, norm=(residual, norm2, EPS), swiglu=True,
-                                         config=configs["gate_up"], splits=splits)
-                    x = F.linear(h, down) if cublas_unfolded else skinny(h, down, config=configs["down"],
-                                                                        splits=splits)
-                return x, residual
-            return run
-
         defaults = {name: None for name in shapes(model)}
         tuned = {name: best.get((model, name)) for name in shapes(model)}
         floor = nbytes / floors.copy_bytes_per_s
         reference = cublas_chain()
-        check = skinny_chain(tuned)()
+        check = skinny_chain(layers, x0, q_width, tuned)()
         err = ((check[0].float() - reference[0].float()).abs().max() / reference[0].float().abs().max()).item()
         log(f"\n{model}: {count} layers' products at {rows} rows, {nbytes / 1e9:.2f} GB, floor {floor * 1e3:.3f} ms "
             f"(skinny against cuBLAS: max relative difference {err:.2e})")
         variants = {"cuBLAS + separate norm / SwiGLU kernels": cublas_chain,
-                    "skinny, folds, default settings": skinny_chain(defaults),
-                    "skinny, folds, default settings, no split-K": skinny_chain(defaults, splits=1),
-                    "skinny, folds, fastest settings": skinny_chain(tuned),
-                    "skinny for the folds only, cuBLAS o / down": skinny_chain(tuned, cublas_unfolded=True)}
+                    "skinny, folds, default settings": skinny_chain(layers, x0, q_width, defaults),
+                    "skinny, folds, default settings, no split-K": skinny_chain(layers, x0, q_width, defaults, splits=1),
+                    "skinny, folds, fastest settings": skinny_chain(layers, x0, q_width, tuned),
+                    "skinny for the folds only, cuBLAS o / down": skinny_chain(layers, x0, q_width, tuned,
+                                                                               cublas_unfolded=True)}
         for label, fn in variants.items():
             seconds = graph_seconds(fn, device, calls=3, flush_l2=False)
             log(f"  {label:<45} {seconds * 1e3:.3f} ms = {seconds / floor:.2f}x floor, "
@@ -152,15 +167,53 @@ def chains(setup, floors, rows: int, best) -> None:
         torch.cuda.empty_cache()
 
 
+def chain_sweep(setup, floors, rows: int, model: str) -> None:
+    """Each product's settings timed inside the whole chain of `model`'s products (one CUDA graph), the other
+    products at their defaults: kernels overlap at their boundaries there (PDL), which single-kernel timings
+    with the L2 flushed do not see. Each figure is the median of 3 graphs; the defaults' chain runs between."""
+    hidden, q_width, _, _, count = MODELS[model]
+    layers = model_layers(model, setup.device)
+    nbytes = sum(t.numel() * 2 for layer in layers for t in layer[:4])
+    floor_ms = nbytes / floors.copy_bytes_per_s * 1e3
+    x0 = torch.randn(rows, hidden, device=setup.device, dtype=torch.bfloat16)
+
+    def chain_ms(configs) -> float:
+        return statistics.median(graph_seconds(skinny_chain(layers, x0, q_width, configs), setup.device, calls=3,
+                                               flush_l2=False) for _ in range(3)) * 1e3
+    defaults = {name: None for name in shapes(model)}
+    log(f"\n{model}: each product's settings inside the chain of {count} layers' products at {rows} rows "
+        f"({nbytes / 1e9:.2f} GB, floor {floor_ms:.3f} ms), the others at their defaults:")
+    for name, (out_features, width, swiglu) in shapes(model).items():
+        chosen = default_config(out_features // (2 if swiglu else 1), width, name in ("qkv", "gate_up"), swiglu)
+        base = chain_ms(defaults)
+        timed = []
+        for setting in SETTINGS:
+            try:
+                timed.append((chain_ms({**defaults, name: setting}), setting))
+            except Exception as error:  # a setting that does not compile (shared memory): skipped
+                log(f"  {name} {setting}: {type(error).__name__}")
+        timed.sort()
+        log(f"  {name}: default {chosen} {base:.3f} ms ({base / floor_ms:.2f}x floor); fastest: "
+            + "; ".join(f"{setting} {ms:.3f} ({ms / base:.3f})" for ms, setting in timed[:4])
+            + "; slowest: " + "; ".join(f"{setting} {ms:.3f}" for ms, setting in timed[-2:]))
+    del layers
+    torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> None:
     arguments = parser(__doc__)
     arguments.add_argument("--rows", type=int, default=8)
     arguments.add_argument("--skip-sweep", action="store_true", help="only the chains, at default settings")
+    arguments.add_argument("--chain-sweep", choices=sorted(MODELS), default=None,
+                           help="instead: each product's settings timed inside that model's whole chain")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     if setup.device.type != "cuda":
         raise SystemExit("tune_skinny times CUDA kernels; run it on a GPU.")
     floors = measure_floors(setup, matmul=False)
+    if args.chain_sweep:
+        chain_sweep(setup, floors, args.rows, args.chain_sweep)
+        return
     best = {} if args.skip_sweep else sweep(setup, floors, args.rows)
     log(f"fastest settings: {best}")
     if args.json:

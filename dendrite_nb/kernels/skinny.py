@@ -21,7 +21,8 @@ Split-K, for small products: a 0.6B projection is 16 to 64 tiles of W's rows, so
 multiprocessors would idle. Programs then also split K, and the last program of each tile to finish adds the
 partials up in split order (deterministic) and runs the epilogue; no second kernel. On an H200 a 0.6B
 model's chain of products at 8 rows went from 0.83 to 0.67 ms with it (benchmarks/REPORT.md). An 8B
-projection is not split: its programs hold one multiprocessor each, and a second wave of them costs more.
+projection is split only while all the split programs stay resident in one wave (o and down: 64 tiles,
+2 ways); a second wave of them costs more.
 """
 from __future__ import annotations
 
@@ -157,10 +158,12 @@ def default_config(out_features: int, width: int, norm: bool = False,
                    swiglu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product, from sweeps of 30 settings
     at 8 rows over the 0.6B and 8B projections and LM heads (H200, benchmarks/REPORT.md). A large product
-    (8B) streams W best in wide tiles with deep pipelines, one program per multiprocessor; the folded norm
-    takes more rows of W per program (its x chunk costs more, so each serves more of W), an LM head narrower
-    chunks. A small one (0.6B, at most SMALL_PRODUCT elements) has too few tiles to fill the GPU whatever
-    their size: it takes 64 rows of W per program and shallower pipelines, and default_splits cuts its K."""
+    (8B) streams W in tiles of 64 rows with 4-stage pipelines; the gate/up tiles (two of them, for the
+    SwiGLU) in narrower chunks, an LM head too. These were picked inside a whole
+    8B chain of products, one product's setting varied at a time, where they beat the fastest settings of
+    single kernels by 3% (kernels also overlap at their boundaries there). A small one (0.6B, at most
+    SMALL_PRODUCT elements) has too few tiles to fill the GPU whatever their size: it takes 64 rows of W per
+    program and shallower pipelines, and default_splits cuts its K."""
     if out_features * width <= SMALL_PRODUCT:
         if swiglu:
             block_n, block_k, warps, stages = 64, 64, 4, 3
@@ -169,13 +172,11 @@ def default_config(out_features: int, width: int, norm: bool = False,
         else:
             block_n, block_k, warps, stages = 64, 128, 4, 4
     elif swiglu:
-        block_n, block_k, warps, stages = 64, 128, 8, 4
-    elif norm:
-        block_n, block_k, warps, stages = 64, 256, 4, 4
+        block_n, block_k, warps, stages = 64, 64, 4, 4
     elif out_features >= 32768:
         block_n, block_k, warps, stages = 64, 128, 4, 4
     else:
-        block_n, block_k, warps, stages = 32, 256, 4, 6
+        block_n, block_k, warps, stages = 64, 256, 4, 4
     return block_n, max(16, min(block_k, triton.next_power_of_2(width))), warps, stages
 
 
