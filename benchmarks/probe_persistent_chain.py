@@ -197,22 +197,26 @@ class Chain:
             return logits
         return run
 
-    def launches(self):
+    def launches(self, configs: dict | None = None):
         """The engine's way: one gemv launch per product (kernels/gemv.py, PDL), the norms, residual adds and
-        SwiGLU folded in as the engine folds them: 4 launches a layer and the LM head."""
+        SwiGLU folded in as the engine folds them: 4 launches a layer and the LM head. configs: a gemv setting
+        by product ("qkv", "o", "gate_up", "down", "lm_head"); absent ones take gemv's defaults."""
         from dendrite_nb.kernels.gemv import gemv
 
         s = self.shape
         w_gu = self.w_gu.view(self.layers, 2 * s["inter"], s["hidden"])
+        config = (configs or {}).get
 
         def run():
             x, residual = self.x0, None   # the stream is x + residual
             for layer in range(self.layers):
-                qkv, stream = gemv(x, self.w_qkv[layer], norm=(residual, self.nw_attn[layer], EPS))
-                o = gemv(qkv[:, :s["attn"]], self.w_o[layer])
-                act, stream = gemv(o, w_gu[layer], norm=(stream, self.nw_mlp[layer], EPS), swiglu=True)
-                x, residual = gemv(act, self.w_down[layer]), stream
-            return gemv(x, self.w_lm, norm=(residual, self.nw_final, EPS))[0].view(-1)
+                qkv, stream = gemv(x, self.w_qkv[layer], norm=(residual, self.nw_attn[layer], EPS),
+                                   config=config("qkv"))
+                o = gemv(qkv[:, :s["attn"]], self.w_o[layer], config=config("o"))
+                act, stream = gemv(o, w_gu[layer], norm=(stream, self.nw_mlp[layer], EPS), swiglu=True,
+                                   config=config("gate_up"))
+                x, residual = gemv(act, self.w_down[layer], config=config("down")), stream
+            return gemv(x, self.w_lm, norm=(residual, self.nw_final, EPS), config=config("lm_head"))[0].view(-1)
         return run
 
     def reference(self) -> torch.Tensor:

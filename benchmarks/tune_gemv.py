@@ -7,16 +7,22 @@ gate/up of 0.6B, also the folded variants (the RMSNorm with its residual add in 
 the epilogue) next to the separate kernels they replace. Times are CUDA-graph replays with the L2 flushed
 (bench_common.kernel_seconds). GPU only.
 
-    python benchmarks/tune_gemv.py
+With --chain-sweep instead: the 0.6B one-row chain of products (28 layers and the LM head, as a decode step
+runs them, one CUDA graph; probe_persistent_chain.Chain), each product's settings timed inside it, the other
+products at their defaults. There the kernels overlap at their boundaries (PDL), which single kernels with
+the L2 flushed do not show.
+
+    python benchmarks/tune_gemv.py [--chain-sweep]
 """
 from __future__ import annotations
 
 import importlib
+import statistics
 
 import torch
 from torch.nn import functional as F
 
-from bench_common import kernel_seconds, log, measure_floors, parser, setup as make_setup
+from bench_common import graph_seconds, kernel_seconds, log, measure_floors, parser, setup as make_setup
 from dendrite_nb.kernels import add_rms_norm, silu_mul
 
 gemv_module = importlib.import_module("dendrite_nb.kernels.gemv")  # the package re-exports the function as `gemv`
@@ -26,11 +32,43 @@ SETTINGS = [(block_n, block_k, warps, stages) for block_n in (4, 8, 16, 32, 64) 
             for warps in (4, 8) for stages in (2, 3, 4) if block_n * block_k <= 16384]
 
 
+CHAIN_PRODUCTS = {"qkv": (4096, 1024, False), "o": (1024, 2048, False), "gate_up": (3072, 1024, True),
+                  "down": (1024, 3072, False)}  # 0.6B: output features (gate/up: the intermediate), width, SwiGLU
+
+
+def chain_sweep(setup, floors) -> None:
+    """Each 0.6B product's settings (SETTINGS at 3 stages) timed inside the whole one-row chain."""
+    from probe_persistent_chain import SHAPE_06B, Chain
+
+    chain = Chain(SHAPE_06B, 28, setup.device, torch.bfloat16, torch.Generator().manual_seed(0))
+    floor_ms = chain.weight_bytes / floors.copy_bytes_per_s * 1e3
+
+    def chain_ms(configs) -> float:
+        return statistics.median(graph_seconds(chain.launches(configs), setup.device, calls=10, flush_l2=False)
+                                 for _ in range(3)) * 1e3
+    log(f"0.6B one-row chain of products, 28 layers + LM head ({chain.weight_bytes / 1e9:.2f} GB, floor "
+        f"{floor_ms:.3f} ms); each product's settings inside it, the others at their defaults:")
+    for name, (out_features, width, swiglu) in CHAIN_PRODUCTS.items():
+        base = chain_ms({})
+        timed = sorted((chain_ms({name: setting}), setting) for setting in SETTINGS
+                       if setting[3] == 3 and setting[1] <= max(128, 1 << (width - 1).bit_length()))
+        log(f"  {name}: default {gemv_module.default_config(out_features, width, swiglu)} {base:.3f} ms "
+            f"({base / floor_ms:.2f}x floor); fastest: "
+            + "; ".join(f"{setting} {ms:.3f} ({ms / base:.3f})" for ms, setting in timed[:4]))
+
+
 def main(argv: list[str] | None = None) -> None:
-    setup = make_setup(parser(__doc__).parse_args(argv))
+    arguments = parser(__doc__)
+    arguments.add_argument("--chain-sweep", action="store_true",
+                           help="instead: each 0.6B product's settings timed inside the one-row chain")
+    args = arguments.parse_args(argv)
+    setup = make_setup(args)
     if setup.device.type != "cuda":
         raise SystemExit("tune_gemv times CUDA kernels; run it on a GPU.")
     floors = measure_floors(setup)
+    if args.chain_sweep:
+        chain_sweep(setup, floors)
+        return
     device, dtype = setup.device, torch.bfloat16
     for name, (out_features, width) in SHAPES.items():
         weight = torch.randn(out_features, width, device=device, dtype=dtype) * 0.02
