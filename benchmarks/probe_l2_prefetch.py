@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from bench_common import graph_seconds, measure_copy_bandwidth
-from probe_persistent_chain import EPS, SHAPE_06B, Chain, relative_error
+from probe_persistent_chain import SHAPE_06B, Chain, relative_error
 
 LINE_BYTES = 128
 BULK_BYTES = 1 << 16
@@ -65,12 +65,10 @@ def gemv_chain(chain: Chain, shared: bool = False, lookahead: int = 0, how: str 
                per_layer: bool = False):
     """The engine's chain of gemv launches over chain's weights (layer 0's for every layer when shared), with
     prefetches on a side stream when lookahead > 0 (in products, or in layers when per_layer)."""
-    from dendrite_nb.kernels.gemv import gemv
-
     s = chain.shape
     w_gu = chain.w_gu.view(chain.layers, 2 * s["inter"], s["hidden"])
-    layer_of = [0 if shared else layer for layer in range(chain.layers)]
-    weights = [w for layer in layer_of for w in (chain.w_qkv[layer], chain.w_o[layer], w_gu[layer], chain.w_down[layer])]
+    sources = [0 if shared else layer for layer in range(chain.layers)]
+    weights = [w for layer in sources for w in (chain.w_qkv[layer], chain.w_o[layer], w_gu[layer], chain.w_down[layer])]
     step = 4 if per_layer else 1   # products a prefetch covers
     side = torch.cuda.Stream()
 
@@ -78,34 +76,28 @@ def gemv_chain(chain: Chain, shared: bool = False, lookahead: int = 0, how: str 
         for index in range(first, min(first + step, len(weights))):
             prefetch_into_l2(weights[index], how)
 
+    def prefetch_ahead(index: int) -> None:
+        """The products `lookahead` ahead, on the side stream, once product `index` may start."""
+        if index % step:
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            prefetch(index + lookahead * step)
+
+    products = chain.launches(source_layers=sources, before_product=prefetch_ahead if lookahead else None)
+    if not lookahead:
+        return products
+
     def run():
         main = torch.cuda.current_stream()
-        if lookahead:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                for first in range(0, lookahead * step, step):
-                    prefetch(first)
-        x, residual = chain.x0, None
-        for layer, source in enumerate(layer_of):
-            for j in range(4):
-                index = 4 * layer + j
-                if lookahead and index % step == 0:   # the products `lookahead` ahead, once this one may start
-                    ready = torch.cuda.Event()
-                    ready.record(main)
-                    side.wait_event(ready)
-                    with torch.cuda.stream(side):
-                        prefetch(index + lookahead * step)
-                if j == 0:
-                    qkv, stream = gemv(x, weights[index], norm=(residual, chain.nw_attn[source], EPS))
-                elif j == 1:
-                    o = gemv(qkv[:, :s["attn"]], weights[index])
-                elif j == 2:
-                    act, stream = gemv(o, weights[index], norm=(stream, chain.nw_mlp[source], EPS), swiglu=True)
-                else:
-                    x, residual = gemv(act, weights[index]), stream
-        logits = gemv(x, chain.w_lm, norm=(residual, chain.nw_final, EPS))[0].view(-1)
-        if lookahead:
-            main.wait_stream(side)   # a capture must join its side stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for first in range(0, lookahead * step, step):
+                prefetch(first)
+        logits = products()
+        main.wait_stream(side)   # a capture must join its side stream
         return logits
     return run
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Callable
 
 import torch
 import triton
@@ -197,25 +198,34 @@ class Chain:
             return logits
         return run
 
-    def launches(self, configs: dict | None = None):
+    def launches(self, configs: dict | None = None, source_layers: list[int] | None = None,
+                 before_product: Callable[[int], None] | None = None):
         """The engine's way: one gemv launch per product (kernels/gemv.py, PDL), the norms, residual adds and
         SwiGLU folded in as the engine folds them: 4 launches a layer and the LM head. configs: a gemv setting
-        by product ("qkv", "o", "gate_up", "down", "lm_head"); absent ones take gemv's defaults."""
+        by product ("qkv", "o", "gate_up", "down", "lm_head"); absent ones take gemv's defaults.
+        source_layers: the layer whose weights each layer reads (its own by default). before_product(index) is
+        called before each layer's product is launched, index counting them in order (4 a layer)."""
         from dendrite_nb.kernels.gemv import gemv
 
         s = self.shape
         w_gu = self.w_gu.view(self.layers, 2 * s["inter"], s["hidden"])
         config = (configs or {}).get
+        sources = source_layers if source_layers is not None else range(self.layers)
+        before = before_product or (lambda index: None)
 
         def run():
             x, residual = self.x0, None   # the stream is x + residual
-            for layer in range(self.layers):
-                qkv, stream = gemv(x, self.w_qkv[layer], norm=(residual, self.nw_attn[layer], EPS),
+            for layer, source in enumerate(sources):
+                before(4 * layer)
+                qkv, stream = gemv(x, self.w_qkv[source], norm=(residual, self.nw_attn[source], EPS),
                                    config=config("qkv"))
-                o = gemv(qkv[:, :s["attn"]], self.w_o[layer], config=config("o"))
-                act, stream = gemv(o, w_gu[layer], norm=(stream, self.nw_mlp[layer], EPS), swiglu=True,
+                before(4 * layer + 1)
+                o = gemv(qkv[:, :s["attn"]], self.w_o[source], config=config("o"))
+                before(4 * layer + 2)
+                act, stream = gemv(o, w_gu[source], norm=(stream, self.nw_mlp[source], EPS), swiglu=True,
                                    config=config("gate_up"))
-                x, residual = gemv(act, self.w_down[layer], config=config("down")), stream
+                before(4 * layer + 3)
+                x, residual = gemv(act, self.w_down[source], config=config("down")), stream
             return gemv(x, self.w_lm, norm=(residual, self.nw_final, EPS), config=config("lm_head"))[0].view(-1)
         return run
 

@@ -32,10 +32,6 @@ SETTINGS = [(block_n, block_k, warps, stages) for block_n in (4, 8, 16, 32, 64) 
             for warps in (4, 8) for stages in (2, 3, 4) if block_n * block_k <= 16384]
 
 
-CHAIN_PRODUCTS = {"qkv": (4096, 1024, False), "o": (1024, 2048, False), "gate_up": (3072, 1024, True),
-                  "down": (1024, 3072, False)}  # 0.6B: output features (gate/up: the intermediate), width, SwiGLU
-
-
 def chain_sweep(setup, floors) -> None:
     """Each 0.6B product's settings (SETTINGS at 3 stages) timed inside the whole one-row chain."""
     from probe_persistent_chain import SHAPE_06B, Chain
@@ -48,7 +44,10 @@ def chain_sweep(setup, floors) -> None:
                                  for _ in range(3)) * 1e3
     log(f"0.6B one-row chain of products, 28 layers + LM head ({chain.weight_bytes / 1e9:.2f} GB, floor "
         f"{floor_ms:.3f} ms); each product's settings inside it, the others at their defaults:")
-    for name, (out_features, width, swiglu) in CHAIN_PRODUCTS.items():
+    for name in ("qkv", "o", "gate_up", "down"):
+        rows, width = SHAPES[f"0.6b {name}"]
+        swiglu = name == "gate_up"
+        out_features = rows // 2 if swiglu else rows  # gate/up's output is the intermediate (silu(gate) * up)
         base = chain_ms({})
         timed = sorted((chain_ms({name: setting}), setting) for setting in SETTINGS
                        if setting[3] == 3 and setting[1] <= max(128, 1 << (width - 1).bit_length()))

@@ -263,8 +263,8 @@ def test_skinny_splits_k_only_where_the_tiles_leave_the_gpu_idle(monkeypatch):
     # 0.6B: 16 to 64 tiles for 132 multiprocessors: K is cut, at least 2 chunks a split.
     assert [ways(4096, 1024, norm=True), ways(1024, 2048), ways(3072, 1024, True, True), ways(1024, 3072)] == \
         [2, 8, 6, 12]
-    # 8B: one program per multiprocessor (deep pipelines). q/k/v (96 tiles) and gate/up (224) are not split: a
-    # split would need a second wave; o and down (64 tiles) split 2 ways, 128 programs in one wave.
+    # 8B: deep pipelines, 1-3 programs per multiprocessor by their shared memory. q/k/v (96 tiles) and gate/up
+    # (224) are not split: a split would need a second wave; o and down (64 tiles) split 2 ways, one wave.
     assert [ways(6144, 4096, norm=True), ways(4096, 4096), ways(14336, 4096, True, True), ways(4096, 14336)] == \
         [1, 2, 1, 2]
     assert ways(151936, 1024) == 1  # an LM head's thousands of tiles

@@ -159,11 +159,12 @@ def default_config(out_features: int, width: int, norm: bool = False,
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product, from sweeps of 30 settings
     at 8 rows over the 0.6B and 8B projections and LM heads (H200, benchmarks/REPORT.md). A large product
     (8B) streams W in tiles of 64 rows with 4-stage pipelines; the gate/up tiles (two of them, for the
-    SwiGLU) in narrower chunks, an LM head too. These were picked inside a whole
-    8B chain of products, one product's setting varied at a time, where they beat the fastest settings of
-    single kernels by 3% (kernels also overlap at their boundaries there). A small one (0.6B, at most
-    SMALL_PRODUCT elements) has too few tiles to fill the GPU whatever their size: it takes 64 rows of W per
-    program and shallower pipelines, and default_splits cuts its K."""
+    SwiGLU) in narrower chunks, an LM head too. The 8B settings were picked inside a whole chain of
+    products, one product's setting varied at a time (tune_skinny.py --chain-sweep), where kernels overlap at
+    their boundaries: there they ran the chain 1-3% faster than the fastest single-kernel settings before
+    them at 5-8 rows. A small one (0.6B, at most SMALL_PRODUCT elements) has too few tiles to fill the GPU
+    whatever their size: it takes 64 rows of W per program and shallower pipelines, and default_splits cuts
+    its K."""
     if out_features * width <= SMALL_PRODUCT:
         if swiglu:
             block_n, block_k, warps, stages = 64, 64, 4, 3
