@@ -111,17 +111,20 @@ def model_layers(model: str, device: torch.device) -> list[tuple[torch.Tensor, .
 
 
 def skinny_chain(layers, x0: torch.Tensor, q_width: int, configs: dict, cublas_unfolded: bool = False,
-                 splits: int | None = None):
+                 splits: int | None = None, prefetch: int | None = None):
     """A callable running every layer's products through skinny (configs by product name; None: default)."""
     def run():
         x, residual = x0, None
         for qkv, o, gate_up, down, norm1, norm2 in layers:
-            h, residual = skinny(x, qkv, norm=(residual, norm1, EPS), config=configs["qkv"], splits=splits)
+            h, residual = skinny(x, qkv, norm=(residual, norm1, EPS), config=configs["qkv"], splits=splits,
+                                 prefetch=prefetch)
             a = h[:, :q_width]
-            x = F.linear(a, o) if cublas_unfolded else skinny(a, o, config=configs["o"], splits=splits)
+            x = F.linear(a, o) if cublas_unfolded else skinny(a, o, config=configs["o"], splits=splits,
+                                                              prefetch=prefetch)
             h, residual = skinny(x, gate_up, norm=(residual, norm2, EPS), swiglu=True, config=configs["gate_up"],
-                                 splits=splits)
-            x = F.linear(h, down) if cublas_unfolded else skinny(h, down, config=configs["down"], splits=splits)
+                                 splits=splits, prefetch=prefetch)
+            x = F.linear(h, down) if cublas_unfolded else skinny(h, down, config=configs["down"], splits=splits,
+                                                                 prefetch=prefetch)
         return x, residual
     return run
 
@@ -156,6 +159,8 @@ def chains(setup, floors, rows: int, best) -> None:
         variants = {"cuBLAS + separate norm / SwiGLU kernels": cublas_chain,
                     "skinny, folds, default settings": skinny_chain(layers, x0, q_width, defaults),
                     "skinny, folds, default settings, no split-K": skinny_chain(layers, x0, q_width, defaults, splits=1),
+                    "skinny, folds, default settings, no prefetch": skinny_chain(layers, x0, q_width, defaults,
+                                                                                 prefetch=0),
                     "skinny, folds, fastest settings": skinny_chain(layers, x0, q_width, tuned),
                     "skinny for the folds only, cuBLAS o / down": skinny_chain(layers, x0, q_width, tuned,
                                                                                cublas_unfolded=True)}

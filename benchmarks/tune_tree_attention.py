@@ -4,7 +4,7 @@ Each variant is a TritonAttention built with the given keyword arguments; every 
 layout and attends with the same q, timed as tree_attention.py times it (CUDA-graph replays, L2 flushed).
 FlashInfer is not run here: tree_attention.py measures it beside the defaults.
 
-    python benchmarks/tune_tree_attention.py
+    python benchmarks/tune_tree_attention.py [--only default "wide 8 warps"]
 """
 from __future__ import annotations
 
@@ -47,7 +47,13 @@ VARIANTS = [
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser(__doc__).parse_args(argv)
+    arguments = parser(__doc__)
+    arguments.add_argument("--only", nargs="+", default=None, metavar="VARIANT",
+                           help="run only these variants (their labels, as printed)")
+    args = arguments.parse_args(argv)
+    variants = [(label, options) for label, options in VARIANTS if args.only is None or label in args.only]
+    if not variants:
+        raise SystemExit(f"no variant is called {args.only}; the variants: {[label for label, _ in VARIANTS]}")
     setup = make_setup(args)
     hf_config = setup.hf_config("llama-3.1-8b", num_hidden_layers=1, vocab_size=1024)
     model = build_model(setup, hf_config)
@@ -65,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         q = torch.randn(len(leaves), config.num_heads, config.head_dim, generator=generator).to(setup.device,
                                                                                                setup.dtype)
         layouts.append((decode_layout(engine.branch_tree, leaves), q))
-    for label, options in VARIANTS:
+    for label, options in variants:
         backend = TritonAttention(**options)
         backend.configure(config.num_heads, config.num_kv_heads)
         times = []

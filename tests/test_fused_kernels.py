@@ -284,6 +284,23 @@ def test_skinny_refuses_bad_split_counts_and_writes_nothing():
     assert rel_err(kernels.skinny(x, weight, config=(16, 32, 4, 2), splits=5), F.linear(x, weight)) < FLOAT32_TOL
 
 
+def test_skinny_refuses_a_bad_prefetch_count_and_writes_nothing():
+    skinny_module = importlib.import_module("dendrite_nb.kernels.skinny")
+    x, weight = random(4, 64), random(32, 64, seed=1)
+    before = {device: counters.clone() for device, counters in skinny_module._TICKETS.items()}
+    for prefetch in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="prefetch"):
+            kernels.skinny(x, weight, prefetch=prefetch)
+    assert before.keys() == skinny_module._TICKETS.keys()
+    assert all(torch.equal(before[device], skinny_module._TICKETS[device]) for device in before)
+    # 0 (none) and more chunks than a split has are both fine: the kernel prefetches what there is.
+    for prefetch in (0, 9):
+        assert rel_err(kernels.skinny(x, weight, config=(16, 32, 4, 2), prefetch=prefetch), F.linear(x, weight)) \
+            < FLOAT32_TOL
+    # The defaults: one chunk for a small (0.6B-sized) product, two for a large (8B) one.
+    assert [skinny_module.default_prefetch(1024, 2048), skinny_module.default_prefetch(6144, 4096)] == [1, 2]
+
+
 def test_products_go_to_gemv_skinny_or_cublas_by_rows():
     weight = random(64, 32)
     assert [kernels.product_kernel(random(rows, 32), weight) for rows in (1, 2, 16, 17)] == \
@@ -484,6 +501,23 @@ def test_kernels_match_reference_on_cuda_at_real_sizes(dtype, tol):
         assert rel_err(product, expected_product) < tol and torch.equal(stream, expected_stream)
         swiglu, _ = kernels.skinny(x, weight, norm=(residual, norm_weight, 1e-6), swiglu=True)
         assert rel_err(swiglu, expected_swiglu) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_prefetch_changes_no_bit_of_the_result(dtype):
+    """The L2 prefetch before the PDL wait only asks for W's bytes early: every count, with and without split-K
+    and with the folds, gives the same bits (past W's last row and column too: 1,000 x 1,000 is no multiple of
+    the tiles)."""
+    weight = random(1000, 1000, dtype=dtype, seed=1, device="cuda")
+    x, residual = random(5, 1000, dtype=dtype, device="cuda"), random(5, 1000, dtype=dtype, seed=2, device="cuda")
+    norm = (residual, random(1000, dtype=dtype, seed=3, device="cuda"), 1e-6)
+    for splits in (1, 3):
+        plain = [kernels.skinny(x, weight, splits=splits, prefetch=p) for p in (0, 1, 2, 5)]
+        folded = [kernels.skinny(x, weight, norm=norm, swiglu=True, splits=splits, prefetch=p)[0] for p in (0, 1, 2, 5)]
+        assert all(torch.equal(plain[0], other) for other in plain[1:])
+        assert all(torch.equal(folded[0], other) for other in folded[1:])
+    assert rel_err(plain[0], F.linear(x, weight)) < (FLOAT32_TOL if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.gpu

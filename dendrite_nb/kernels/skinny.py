@@ -23,6 +23,10 @@ partials up in split order (deterministic) and runs the epilogue; no second kern
 model's chain of products at 8 rows went from 0.83 to 0.67 ms with it (benchmarks/REPORT.md). An 8B
 projection is split only while all the split programs stay resident in one wave (o and down: 64 tiles,
 2 ways); a second wave of them costs more.
+
+Under PDL each program first asks for its first chunks of W in L2 (default_prefetch), then waits for the kernel
+before it: W depends on no kernel, so its first bytes stream in during that kernel's tail. The chains of
+products at 8 rows on an H200: 0.6B 0.670 -> 0.630 ms, 8B 3.862 -> 3.810 ms (benchmarks/REPORT.md).
 """
 from __future__ import annotations
 
@@ -39,6 +43,10 @@ from .swiglu import silu_times_up
 
 MIN_ROWS, MAX_ROWS = 2, 16  # the rows skinny() takes; fewer go to gemv, more to cuBLAS
 BLOCK_M = 16  # x's rows padded to tl.dot's smallest tile
+# W's first BLOCK_K chunks that a program asks into L2 before its PDL wait (default_prefetch), for small products
+# (at most SMALL_PRODUCT) and large ones. Chains of products at 8 rows on an H200 (benchmarks/REPORT.md): 0.6B
+# 0.670 -> 0.632 ms with 1 (2: 0.650, 4: 0.659), 8B 3.854 -> 3.797 ms with 2 (1: 3.810, 4: 3.802).
+PREFETCH_SMALL, PREFETCH_LARGE = 1, 2
 # Split-K (default_splits, _gather_splits): for products whose tiles along N alone leave multiprocessors idle.
 SPLIT_PROGRAMS_PER_SM = 2
 MIN_SPLIT_CHUNKS = 2  # BLOCK_K chunks per split at least, so each program still pipelines its loads
@@ -50,7 +58,8 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, part_pt
                    stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
                    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   PRECISION: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
+                   LINE_ELEMENTS: tl.constexpr, PDL: tl.constexpr):
     # N: output features (with SWIGLU, the intermediate size; W then has 2N rows, gate above up).
     # Program (pid_n, pid_k) owns rows [pid_n * BLOCK_N, +BLOCK_N) of W and columns [pid_k * K_SPLIT, +K_SPLIT).
     pid_n = tl.program_id(0)
@@ -67,6 +76,8 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, part_pt
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    if PDL and PREFETCH > 0:
+        _prefetch_first_chunks(w_ptr, n, N, k_lo, k_hi, stride_wn, SWIGLU, BLOCK_K, PREFETCH, LINES, LINE_ELEMENTS)
     wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWIGLU only
@@ -99,6 +110,25 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, part_pt
     else:
         _finish(acc, acc_up, row_squares, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps, dtype,
                 HAS_BIAS, NORM, SWIGLU)
+
+
+@triton.jit
+def _prefetch_first_chunks(w_ptr, n, N, k_lo, k_hi, stride_wn, SWIGLU: tl.constexpr, BLOCK_K: tl.constexpr,
+                           CHUNKS: tl.constexpr, LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
+    """Ask for the program's first CHUNKS chunks of W in L2 (one prefetch per 128-byte line: LINES lines of
+    LINE_ELEMENTS elements per row of a chunk; nothing into registers), so that they stream in while the kernel
+    before this one finishes (PDL). The loop that follows is left as it is, and so is Triton's pipelining of it:
+    loading the first chunks into registers instead broke that pipelining (3-4% slower at 8B,
+    benchmarks/REPORT.md). Addresses past W's edge are clamped to it."""
+    rows = tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_wn
+    lines = tl.arange(0, LINES) * LINE_ELEMENTS
+    for c in tl.static_range(CHUNKS):
+        cols = tl.minimum(k_lo + c * BLOCK_K + lines, k_hi - 1)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_ptr + rows + cols],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        if SWIGLU:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [w_ptr + N * stride_wn + rows + cols], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -181,6 +211,11 @@ def default_config(out_features: int, width: int, norm: bool = False,
     return block_n, max(16, min(block_k, triton.next_power_of_2(width))), warps, stages
 
 
+def default_prefetch(out_features: int, width: int) -> int:
+    """W's chunks a program of an [out_features, width] product prefetches into L2 before its PDL wait."""
+    return PREFETCH_SMALL if out_features * width <= SMALL_PRODUCT else PREFETCH_LARGE
+
+
 def smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
     """The next setting to try when `config` needs more shared memory than the GPU has (a smaller GPU than the
     one the defaults were tuned on, or float32): fewer stages, then narrower chunks, then fewer rows of W."""
@@ -244,7 +279,8 @@ def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, swiglu: bool = False,
            config: tuple[int, int, int, int] | None = None,
-           splits: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           splits: int | None = None,
+           prefetch: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, contiguous rows) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype.
 
     norm and swiglu as in gemv(): with norm = (residual or None, norm_weight, eps) the product reads
@@ -252,6 +288,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     above up rows and y is silu(gate) * up. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), for tuning;
     a setting that needs more shared memory than this GPU has steps down (smaller_config) until one fits.
     splits: split-K's ways (None: default_splits); K is cut into that many ranges of whole BLOCK_K chunks.
+    prefetch: W's chunks each program asks into L2 before its PDL wait (None: default_prefetch; 0: none).
     """
     rows, width = x.shape
     if not MIN_ROWS <= rows <= MAX_ROWS or weight.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -260,6 +297,9 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"{weight.stride()}).")
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
         raise ValueError(f"splits is a whole number of at least 1 (or None for the default), got {splits!r}.")
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
+        raise ValueError(f"prefetch is a whole number of W's chunks, 0 or more (or None for the default), got "
+                         f"{prefetch!r}.")
     out_features = check_folds(x, weight, norm, swiglu)
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
     y = x.new_empty(rows, out_features)
@@ -269,7 +309,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = _FITTED.get(key, requested)
     while True:
         try:
-            _launch(config, splits, x, residual, norm_weight, summed, weight, bias, y, eps, norm is not None, swiglu)
+            _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, bias, y, eps,
+                    norm is not None, swiglu)
             break
         except OutOfResources:
             config = smaller_config(config)
@@ -281,11 +322,13 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y, (summed if summed is not None else x)
 
 
-def _launch(config, splits, x, residual, norm_weight, summed, weight, bias, y, eps, norm: bool, swiglu: bool) -> None:
+def _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, bias, y, eps, norm: bool,
+            swiglu: bool) -> None:
     block_n, block_k, warps, stages = config
     rows, width = x.shape
     out_features = y.shape[1]
     tiles, chunks = triton.cdiv(out_features, block_n), triton.cdiv(width, block_k)
+    prefetch = default_prefetch(out_features, width) if prefetch is None else prefetch
     splits = min(splits or default_splits(config, tiles, chunks, swiglu, x.device), chunks)
     chunks_per_split = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, chunks_per_split)  # no split left without columns
@@ -302,5 +345,7 @@ def _launch(config, splits, x, residual, norm_weight, summed, weight, bias, y, e
         summed.stride(0) if summed is not None else 0, weight.stride(0), y.stride(0), eps,
         HAS_BIAS=bias is not None, NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH=min(prefetch, chunks_per_split),
+        LINES=max(1, block_k * weight.element_size() // 128), LINE_ELEMENTS=max(1, 128 // weight.element_size()),
+        num_warps=warps, num_stages=stages,
         **pdl_arguments(x))
