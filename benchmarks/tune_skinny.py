@@ -5,9 +5,11 @@ products, against cuBLAS with the norms and the SwiGLU as their own kernels.
    CUDA-graph bucket of a 5-leaf search step): cuBLAS (F.linear), skinny at its default settings, and the
    fastest settings of a sweep. CUDA-graph replays with the L2 flushed (bench_common.kernel_seconds).
 2. The products of every layer of each model (norm + q/k/v, o, norm + gate/up + SwiGLU, down; attention left
-   out, o_proj reads the q columns), distinct weights per layer, as one CUDA graph: cuBLAS with the separate
-   norm and SwiGLU kernels, against skinny with the folds (default settings and each shape's fastest), and
-   skinny only where it folds (cuBLAS for o and down). Floor: the weights' bytes over the copy bandwidth measured here.
+   out, o_proj reads the q columns), distinct weights per layer, as one CUDA graph: cuBLAS (and cuBLASLt, which
+   decode graphs capture) with the separate norm and SwiGLU kernels, against skinny with the folds (default
+   settings and each shape's fastest), and skinny only where it folds (cuBLAS for o and down). Above
+   skinny.FOLD_ROWS rows skinny's chains run the norm's own kernel, as the engine does. Floor: the weights'
+   bytes over the copy bandwidth measured here.
 
 3. With --chain-sweep MODEL, instead: each product's settings (SETTINGS) timed inside MODEL's whole chain of
    products, one product at a time, the others at their defaults.
@@ -23,7 +25,7 @@ from torch.nn import functional as F
 
 from bench_common import graph_seconds, kernel_seconds, log, measure_floors, parser, setup as make_setup
 from dendrite_nb.kernels import add_rms_norm, rms_norm, silu_mul, skinny
-from dendrite_nb.kernels.skinny import default_config
+from dendrite_nb.kernels.skinny import FOLD_ROWS, default_config
 
 MODELS = {  # hidden, q width, q/k/v rows, intermediate, layers
     "0.6b": (1024, 2048, 4096, 3072, 28),
@@ -59,8 +61,11 @@ def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int
                 return f"{seconds * 1e6:.1f} us ({nbytes / seconds / 1e12:.2f} TB/s)"
 
             def ours(setting=None, splits=None):
-                if name in ("qkv", "gate_up"):
+                if name in ("qkv", "gate_up") and rows <= FOLD_ROWS:
                     return lambda: skinny(x, weight, norm=norm, swiglu=swiglu, config=setting, splits=splits)
+                if name in ("qkv", "gate_up"):  # above FOLD_ROWS the engine runs the norm's own kernel first
+                    return lambda: skinny(add_rms_norm(x, norm[0], norm[1], EPS)[0], weight, swiglu=swiglu,
+                                          config=setting, splits=splits)
                 return lambda: skinny(x, weight, config=setting, splits=splits)
 
             if swiglu:
@@ -87,7 +92,8 @@ def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int
                                  for _, setting in timed[:4] for ways in SPLITS)
             best[(model, name)] = timed[0][1]
             folds = {"qkv": "norm + product", "gate_up": "norm + product + SwiGLU"}.get(name, "product")
-            chosen = default_config(out_features // (2 if swiglu else 1), width, name in ("qkv", "gate_up"), swiglu)
+            chosen = default_config(out_features // (2 if swiglu else 1), width, name in ("qkv", "gate_up"), swiglu,
+                                    rows)
             log(f"{model} {name} [{out_features} x {width}] at {rows} rows, {nbytes / 1e6:.1f} MB, floor "
                 f"{nbytes / floors.copy_bytes_per_s * 1e6:.1f} us: cuBLAS product {figure(plain)}; {folds}: cuBLAS "
                 f"path {figure(theirs)}, skinny default {chosen} "
@@ -112,20 +118,41 @@ def model_layers(model: str, device: torch.device) -> list[tuple[torch.Tensor, .
 
 def skinny_chain(layers, x0: torch.Tensor, q_width: int, configs: dict, cublas_unfolded: bool = False,
                  splits: int | None = None, prefetch: int | None = None):
-    """A callable running every layer's products through skinny (configs by product name; None: default)."""
+    """A callable running every layer's products through skinny (configs by product name; None: default), with
+    the norms folded in up to FOLD_ROWS rows and as their own kernels above, as kernels/products.py runs them."""
+    fold = x0.shape[0] <= FOLD_ROWS
+
+    def normed(x, residual, weight, out_features, **options):
+        if fold:
+            return skinny(x, out_features, norm=(residual, weight, EPS), **options)
+        normed_x, summed = (rms_norm(x, weight, EPS), x) if residual is None else add_rms_norm(x, residual, weight,
+                                                                                                EPS)
+        return skinny(normed_x, out_features, **options), summed
+
     def run():
         x, residual = x0, None
         for qkv, o, gate_up, down, norm1, norm2 in layers:
-            h, residual = skinny(x, qkv, norm=(residual, norm1, EPS), config=configs["qkv"], splits=splits,
-                                 prefetch=prefetch)
+            h, residual = normed(x, residual, norm1, qkv, config=configs["qkv"], splits=splits, prefetch=prefetch)
             a = h[:, :q_width]
             x = F.linear(a, o) if cublas_unfolded else skinny(a, o, config=configs["o"], splits=splits,
                                                               prefetch=prefetch)
-            h, residual = skinny(x, gate_up, norm=(residual, norm2, EPS), swiglu=True, config=configs["gate_up"],
-                                 splits=splits, prefetch=prefetch)
+            h, residual = normed(x, residual, norm2, gate_up, swiglu=True, config=configs["gate_up"], splits=splits,
+                                 prefetch=prefetch)
             x = F.linear(h, down) if cublas_unfolded else skinny(h, down, config=configs["down"], splits=splits,
                                                                  prefetch=prefetch)
         return x, residual
+    return run
+
+
+def with_cublaslt(fn):
+    """fn with torch's products through cuBLASLt, as decode graphs capture them (cuda_graphs.GRAPH_BLAS_LIBRARY)."""
+    def run():
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return fn()
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
     return run
 
 
@@ -157,6 +184,7 @@ def chains(setup, floors, rows: int, best) -> None:
         log(f"\n{model}: {count} layers' products at {rows} rows, {nbytes / 1e9:.2f} GB, floor {floor * 1e3:.3f} ms "
             f"(skinny against cuBLAS: max relative difference {err:.2e})")
         variants = {"cuBLAS + separate norm / SwiGLU kernels": cublas_chain,
+                    "cuBLASLt + separate norm / SwiGLU kernels": with_cublaslt(cublas_chain),
                     "skinny, folds, default settings": skinny_chain(layers, x0, q_width, defaults),
                     "skinny, folds, default settings, no split-K": skinny_chain(layers, x0, q_width, defaults, splits=1),
                     "skinny, folds, default settings, no prefetch": skinny_chain(layers, x0, q_width, defaults,
@@ -189,7 +217,7 @@ def chain_sweep(setup, floors, rows: int, model: str) -> None:
     log(f"\n{model}: each product's settings inside the chain of {count} layers' products at {rows} rows "
         f"({nbytes / 1e9:.2f} GB, floor {floor_ms:.3f} ms), the others at their defaults:")
     for name, (out_features, width, swiglu) in shapes(model).items():
-        chosen = default_config(out_features // (2 if swiglu else 1), width, name in ("qkv", "gate_up"), swiglu)
+        chosen = default_config(out_features // (2 if swiglu else 1), width, name in ("qkv", "gate_up"), swiglu, rows)
         base = chain_ms(defaults)
         timed = []
         for setting in SETTINGS:

@@ -192,9 +192,9 @@ def test_gemv_with_the_norm_and_swiglu_folded_in_matches_the_separate_kernels(ro
     assert torch.equal(stream, expected_stream)
     swiglu, stream = kernels.gemv(x, weight, bias, norm=(residual, norm_weight, 1e-6), swiglu=True, config=config)
     assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
-    # The dispatching wrappers agree with the kernels (gemv, skinny) on decode steps and run the separate kernels
-    # and cuBLAS above them.
-    for count in (rows, 9, 17):
+    # The dispatching wrappers agree with the kernels (gemv, skinny) on decode steps, run the norm's own kernel
+    # before skinny above 16 rows, and the separate kernels and cuBLAS above 64.
+    for count in (rows, 9, 17, 65):
         xs = random(count, 1000) * 3
         res = random(count, 1000, seed=1) if with_residual else None
         expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(xs, res, norm_weight,
@@ -205,7 +205,8 @@ def test_gemv_with_the_norm_and_swiglu_folded_in_matches_the_separate_kernels(ro
         assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
 
 
-@pytest.mark.parametrize("rows,with_residual,with_bias", [(2, True, False), (5, False, True), (16, True, True)])
+@pytest.mark.parametrize("rows,with_residual,with_bias", [(2, True, False), (5, False, True), (16, True, True),
+                                                          (40, True, False)])  # x padded to 64 rows
 def test_skinny_matches_f_linear_and_the_separate_kernels_it_folds(rows, with_residual, with_bias):
     # Widths no block divides: a partial last K chunk and a partial last block of W's rows.
     x, residual = random(rows, 1000) * 3, (random(rows, 1000, seed=1) if with_residual else None)
@@ -303,15 +304,15 @@ def test_skinny_refuses_a_bad_prefetch_count_and_writes_nothing():
 
 def test_products_go_to_gemv_skinny_or_cublas_by_rows():
     weight = random(64, 32)
-    assert [kernels.product_kernel(random(rows, 32), weight) for rows in (1, 2, 16, 17)] == \
-        ["gemv", "skinny", "skinny", "cublas"]
+    assert [kernels.product_kernel(random(rows, 32), weight) for rows in (1, 2, 16, 17, 64, 65)] == \
+        ["gemv", "skinny", "skinny", "skinny", "skinny", "cublas"]
     assert kernels.product_kernel(random(32, 4)[:, :2].t(), random(64, 4)) == "cublas"  # columns not contiguous
 
 
 def test_skinny_refuses_a_row_count_it_does_not_take():
     weight = random(32, 64, seed=1)
-    for rows in (1, 17):
-        with pytest.raises(ValueError, match="2 <= M <= 16"):
+    for rows in (1, 65):
+        with pytest.raises(ValueError, match="2 <= M <= 64"):
             kernels.skinny(random(rows, 64), weight)
 
 
@@ -492,7 +493,7 @@ def test_kernels_match_reference_on_cuda_at_real_sizes(dtype, tol):
         swiglu, _ = kernels.gemv(x, weight, norm=(residual, norm_weight, 1e-6), swiglu=True)
         assert rel_err(swiglu, expected_swiglu) < tol
     # The tensor-core product of a few rows, at its default settings (float32 steps down to ones that fit).
-    for rows in (5, 16):
+    for rows in (5, 16, 40):
         x, residual = random(rows, hidden, dtype=dtype, seed=9), random(rows, hidden, dtype=dtype, seed=10)
         expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(x, residual, norm_weight,
                                                                                           weight)

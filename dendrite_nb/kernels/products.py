@@ -4,7 +4,8 @@ before it and the SwiGLU after it folded in where that kernel can fold them.
 - 1 row (a one-leaf decode step): gemv.py. At one row it beats cuBLAS on every 0.6B projection (o_proj 4.7
   against 12.8 us on an H200, L2 flushed); each extra row costs it a pass over W from L2 (at 4 rows q/k/v
   took 10.4 us against cuBLAS's 5.9), so it takes only one.
-- 2 to SKINNY_ROWS rows (a batch of leaves): skinny.py, on tensor cores, with the same folds.
+- 2 to SKINNY_ROWS rows (a batch of leaves): skinny.py, on tensor cores, with the same folds up to
+  skinny.FOLD_ROWS rows; above that, the norm runs as its own kernel and only the SwiGLU folds.
 - more (prefill, large batches): cuBLAS, with the norm and the SwiGLU as their own kernels (captured
   through cuBLASLt inside decode graphs: cuda_graphs.py).
 
@@ -17,11 +18,11 @@ from torch.nn import functional as F
 
 from .gemv import gemv
 from .norm import add_rms_norm, rms_norm
-from .skinny import MIN_ROWS, skinny
+from .skinny import FOLD_ROWS, MIN_ROWS, skinny
 from .swiglu import silu_mul
 
 GEMV_ROWS = 1  # the most rows sent to gemv
-SKINNY_ROWS = 16  # the most rows sent to skinny (at most skinny.MAX_ROWS)
+SKINNY_ROWS = 64  # the most rows sent to skinny (at most skinny.MAX_ROWS)
 
 
 def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -47,26 +48,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(weight * rmsnorm(x + residual)), x + residual); x itself is the stream when residual is None.
-    One kernel for a decode step of few rows; the norm kernel and then cuBLAS's product otherwise."""
+    One kernel for a decode step of up to FOLD_ROWS rows; otherwise the norm's own kernel, then linear()."""
     kernel = product_kernel(x, weight)
     if kernel == "gemv":
         return gemv(x, weight, bias, norm=(residual, norm_weight, eps))
-    if kernel == "skinny":
+    if kernel == "skinny" and x.shape[0] <= FOLD_ROWS:
         return skinny(x, weight, bias, norm=(residual, norm_weight, eps))
-    if residual is None:
-        return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
-    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(normed, weight, bias), summed
+    normed, summed = _norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), summed
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
                     norm: tuple[torch.Tensor | None, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up of the stacked gate_up projection of weight * rmsnorm(x + residual), x + residual) for
-    norm = (residual, weight, eps), as norm_linear returns them; one kernel for a decode step of few rows."""
+    norm = (residual, weight, eps), as norm_linear returns them. One kernel for a decode step of up to FOLD_ROWS
+    rows; then the norm's own kernel and skinny with the SwiGLU, up to SKINNY_ROWS; cuBLAS and two kernels beyond."""
     kernel = product_kernel(x, gate_up_weight)
     if kernel == "gemv":
         return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
-    if kernel == "skinny":
+    if kernel == "skinny" and x.shape[0] <= FOLD_ROWS:
         return skinny(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
+    if kernel == "skinny":
+        normed, summed = _norm(x, *norm)
+        return skinny(normed, gate_up_weight, gate_up_bias, swiglu=True), summed
     gate_up, summed = norm_linear(x, norm[0], norm[1], norm[2], gate_up_weight, gate_up_bias)
     return silu_mul(gate_up), summed
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) * weight, x + residual) by the norm's own kernel; x is the stream without a residual."""
+    if residual is None:
+        return rms_norm(x, norm_weight, eps), x
+    return add_rms_norm(x, residual, norm_weight, eps)

@@ -1,15 +1,18 @@
-"""Matrix products of a few rows (2 to 16: a batched decode step, such as a search's 5 leaves) on tensor cores,
+"""Matrix products of a few rows (2 to 64: a batched decode step, such as a search's 5 leaves) on tensor cores,
 y = x @ W.T (+ b), with the same folds as gemv.py: the RMSNorm (and the residual add before it) in the
 prologue, the SwiGLU in the epilogue.
 
-A program owns BLOCK_N rows of W and all rows of x (padded to 16, the smallest tile tl.dot takes), and walks
-K in BLOCK_K chunks: each W tile is read once for every row of x, so the kernel streams W like a one-row
-GEMV, and the few rows cost tensor-core time that is far below the memory time.
+A program owns BLOCK_N rows of W and all rows of x (padded to 16, the smallest tile tl.dot takes, or to 32 or
+64), and walks K in BLOCK_K chunks: each W tile is read once for every row of x, so the kernel streams W like
+a one-row GEMV, and the few rows cost tensor-core time that is far below the memory time.
 
 Why not cuBLAS, which runs these shapes near bandwidth: at a few rows a decode layer is ten kernels, and the
 ones between the products (the norms before q/k/v and gate/up, the SwiGLU after it) are each a launch and a
 ramp for a few KB. Folding them here takes three kernels a layer away. And this kernel, unlike cuBLAS,
-launches under PDL (pdl.py), so its launch overlaps the kernel before it.
+launches under PDL (pdl.py), so its launch overlaps the kernel before it. Above FOLD_ROWS rows the norm is
+better left to its own kernel (every program would redo its elementwise work on all of x: at 64 rows the 8B
+q/k/v took 41 us against 22, benchmarks/REPORT.md); products.py does so. Even then the chains of products at
+17 to 64 rows ran 1-7% (8B) and 2-19% (0.6B) faster than cuBLASLt's with the same separate kernels.
 
 The norm folds in one pass over x: weight * rmsnorm(s) @ W.T equals rstd * ((weight * s) @ W.T) row by
 row, so each chunk of the stream s (x + residual) feeds the product and the sum of squares together, and
@@ -41,8 +44,9 @@ from .gemv import _weight_tile, check_folds
 from .pdl import pdl_arguments, wait_for_inputs
 from .swiglu import silu_times_up
 
-MIN_ROWS, MAX_ROWS = 2, 16  # the rows skinny() takes; fewer go to gemv, more to cuBLAS
-BLOCK_M = 16  # x's rows padded to tl.dot's smallest tile
+MIN_ROWS, MAX_ROWS = 2, 64  # the rows skinny() takes; fewer go to gemv
+MIN_BLOCK_M = 16  # x's rows padded to tl.dot's smallest tile, or to the next power of two above them
+FOLD_ROWS = 16  # the most rows at which the norm folds in well (every program redoes its work on all of x)
 # W's first BLOCK_K chunks that a program asks into L2 before its PDL wait (default_prefetch), for small products
 # (at most SMALL_PRODUCT) and large ones. Chains of products at 8 rows on an H200 (benchmarks/REPORT.md): 0.6B
 # 0.670 -> 0.632 ms with 1 (2: 0.650, 4: 0.659), 8B 3.854 -> 3.797 ms with 2 (1: 3.810, 4: 3.802).
@@ -184,8 +188,8 @@ def _gather_splits(acc, acc_up, row_squares, part_ptr, count_ptr, pid_n, pid_k, 
     return acc, acc_up, row_squares, last
 
 
-def default_config(out_features: int, width: int, norm: bool = False,
-                   swiglu: bool = False) -> tuple[int, int, int, int]:
+def default_config(out_features: int, width: int, norm: bool = False, swiglu: bool = False,
+                   rows: int = FOLD_ROWS) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product, from sweeps of 30 settings
     at 8 rows over the 0.6B and 8B projections and LM heads (H200, benchmarks/REPORT.md). A large product
     (8B) streams W in tiles of 64 rows with 4-stage pipelines; the gate/up tiles (two of them, for the
@@ -194,8 +198,17 @@ def default_config(out_features: int, width: int, norm: bool = False,
     their boundaries: there they ran the chain 1-3% faster than the fastest single-kernel settings before
     them at 5-8 rows. A small one (0.6B, at most SMALL_PRODUCT elements) has too few tiles to fill the GPU
     whatever their size: it takes 64 rows of W per program and shallower pipelines, and default_splits cuts
-    its K."""
-    if out_features * width <= SMALL_PRODUCT:
+    its K. Above FOLD_ROWS rows (x padded to 32 or 64; the norm is not folded there) the products take 64 x 128
+    tiles of W, in 5 stages (4 for a small product above 32 rows), and an LM head above 32 rows 128 x 64 tiles
+    in 8 warps: the fastest of five settings in both models' chains of products at 17, 24, 32 and 64 rows
+    (benchmarks/REPORT.md)."""
+    if rows > FOLD_ROWS:
+        if out_features >= 32768:
+            block_n, block_k, warps, stages = (128, 64, 8, 4) if rows > 32 else (64, 128, 4, 4)
+        else:
+            small_and_wide = out_features * width <= SMALL_PRODUCT and rows > 32
+            block_n, block_k, warps, stages = 64, 128, 4, 4 if small_and_wide else 5
+    elif out_features * width <= SMALL_PRODUCT:
         if swiglu:
             block_n, block_k, warps, stages = 64, 64, 4, 3
         elif norm:
@@ -211,9 +224,9 @@ def default_config(out_features: int, width: int, norm: bool = False,
     return block_n, max(16, min(block_k, triton.next_power_of_2(width))), warps, stages
 
 
-def default_prefetch(out_features: int, width: int) -> int:
+def default_prefetch(out_features: int, width: int, rows: int = FOLD_ROWS) -> int:
     """W's chunks a program of an [out_features, width] product prefetches into L2 before its PDL wait."""
-    return PREFETCH_SMALL if out_features * width <= SMALL_PRODUCT else PREFETCH_LARGE
+    return PREFETCH_SMALL if rows > FOLD_ROWS or out_features * width <= SMALL_PRODUCT else PREFETCH_LARGE
 
 
 def smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
@@ -234,7 +247,7 @@ _FITTED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
 def default_splits(config: tuple[int, int, int, int], tiles: int, chunks: int, swiglu: bool,
-                   device: torch.device) -> int:
+                   device: torch.device, block_m: int = MIN_BLOCK_M) -> int:
     """Split-K's ways for a product of `tiles` programs along N and `chunks` BLOCK_K chunks of K at `config`:
     as many as keep every program resident at once (by the shared memory its stages take) and give the GPU
     about SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with at least MIN_SPLIT_CHUNKS chunks. A
@@ -244,7 +257,7 @@ def default_splits(config: tuple[int, int, int, int], tiles: int, chunks: int, s
         return 1
     sms, shared_bytes = _multiprocessors(device)
     block_n, block_k, _, stages = config
-    stage_bytes = ((2 if swiglu else 1) * block_n + BLOCK_M) * block_k * 2  # W tile(s) and x chunk, 16-bit
+    stage_bytes = ((2 if swiglu else 1) * block_n + block_m) * block_k * 2  # W tile(s) and x chunk, 16-bit
     resident = max(1, shared_bytes // (stages * stage_bytes))
     return max(1, min(chunks // MIN_SPLIT_CHUNKS, resident * sms // tiles,
                       -(-SPLIT_PROGRAMS_PER_SM * sms // tiles)))
@@ -304,8 +317,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
     y = x.new_empty(rows, out_features)
     summed = torch.empty_like(x) if residual is not None else None
-    requested = config or default_config(out_features, width, norm is not None, swiglu)
-    key = (requested, x.dtype, x.device, norm is not None, swiglu)
+    requested = config or default_config(out_features, width, norm is not None, swiglu, rows)
+    key = (requested, x.dtype, x.device, norm is not None, swiglu, max(MIN_BLOCK_M, triton.next_power_of_2(rows)))
     config = _FITTED.get(key, requested)
     while True:
         try:
@@ -328,12 +341,13 @@ def _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, 
     rows, width = x.shape
     out_features = y.shape[1]
     tiles, chunks = triton.cdiv(out_features, block_n), triton.cdiv(width, block_k)
-    prefetch = default_prefetch(out_features, width) if prefetch is None else prefetch
-    splits = min(splits or default_splits(config, tiles, chunks, swiglu, x.device), chunks)
+    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(rows))
+    prefetch = default_prefetch(out_features, width, rows) if prefetch is None else prefetch
+    splits = min(splits or default_splits(config, tiles, chunks, swiglu, x.device, block_m), chunks)
     chunks_per_split = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, chunks_per_split)  # no split left without columns
     if splits > 1:
-        partials = torch.empty(tiles * splits * 3 * block_n * BLOCK_M, dtype=torch.float32, device=x.device)
+        partials = torch.empty(tiles * splits * 3 * block_n * block_m, dtype=torch.float32, device=x.device)
         tickets = _tickets(x.device, tiles)
     else:
         partials = tickets = y  # never read
@@ -344,7 +358,7 @@ def _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, 
         x.stride(0), residual.stride(0) if residual is not None else 0,
         summed.stride(0) if summed is not None else 0, weight.stride(0), y.stride(0), eps,
         HAS_BIAS=bias is not None, NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH=min(prefetch, chunks_per_split),
         LINES=max(1, block_k * weight.element_size() // 128), LINE_ELEMENTS=max(1, 128 // weight.element_size()),
         num_warps=warps, num_stages=stages,
