@@ -45,11 +45,12 @@ from .pdl import pdl_arguments, wait_for_inputs
 from .swiglu import silu_times_up
 
 MIN_ROWS, MAX_ROWS = 2, 64  # the rows skinny() takes; fewer go to gemv
-MIN_BLOCK_M = 16  # x's rows padded to tl.dot's smallest tile, or to the next power of two above them
+MIN_BLOCK_M = 16  # x's rows are padded at least to tl.dot's smallest tile (row_tile)
 FOLD_ROWS = 16  # the most rows at which the norm folds in well (every program redoes its work on all of x)
 # W's first BLOCK_K chunks that a program asks into L2 before its PDL wait (default_prefetch), for small products
-# (at most SMALL_PRODUCT) and large ones. Chains of products at 8 rows on an H200 (benchmarks/REPORT.md): 0.6B
-# 0.670 -> 0.632 ms with 1 (2: 0.650, 4: 0.659), 8B 3.854 -> 3.797 ms with 2 (1: 3.810, 4: 3.802).
+# (at most SMALL_PRODUCT) or more than FOLD_ROWS rows, and for large ones. Chains of products on an H200
+# (benchmarks/REPORT.md): at 8 rows 0.6B 0.670 -> 0.632 ms with 1 (2: 0.650, 4: 0.659), 8B 3.854 -> 3.797 ms
+# with 2 (1: 3.810, 4: 3.802); 8B at 64 rows 4.096 -> 4.035 ms with 1 (2: 4.059).
 PREFETCH_SMALL, PREFETCH_LARGE = 1, 2
 # Split-K (default_splits, _gather_splits): for products whose tiles along N alone leave multiprocessors idle.
 SPLIT_PROGRAMS_PER_SM = 2
@@ -199,15 +200,15 @@ def default_config(out_features: int, width: int, norm: bool = False, swiglu: bo
     them at 5-8 rows. A small one (0.6B, at most SMALL_PRODUCT elements) has too few tiles to fill the GPU
     whatever their size: it takes 64 rows of W per program and shallower pipelines, and default_splits cuts
     its K. Above FOLD_ROWS rows (x padded to 32 or 64; the norm is not folded there) the products take 64 x 128
-    tiles of W, in 5 stages (4 for a small product above 32 rows), and an LM head above 32 rows 128 x 64 tiles
-    in 8 warps: the fastest of five settings in both models' chains of products at 17, 24, 32 and 64 rows
-    (benchmarks/REPORT.md)."""
+    tiles of W, in 5 stages (4 above 32 rows for a small product, or gate/up's two tiles), and an LM head above
+    32 rows 128 x 64 tiles in 8 warps: the fastest of five settings in both models' chains of products at 17,
+    24, 32 and 64 rows (benchmarks/REPORT.md)."""
     if rows > FOLD_ROWS:
         if out_features >= 32768:
             block_n, block_k, warps, stages = (128, 64, 8, 4) if rows > 32 else (64, 128, 4, 4)
-        else:
-            small_and_wide = out_features * width <= SMALL_PRODUCT and rows > 32
-            block_n, block_k, warps, stages = 64, 128, 4, 4 if small_and_wide else 5
+        else:  # 4 stages where 5 lost (small products) or do not fit (gate and up tiles beside 64 rows of x)
+            four = rows > 32 and (swiglu or out_features * width <= SMALL_PRODUCT)
+            block_n, block_k, warps, stages = 64, 128, 4, 4 if four else 5
     elif out_features * width <= SMALL_PRODUCT:
         if swiglu:
             block_n, block_k, warps, stages = 64, 64, 4, 3
@@ -227,6 +228,11 @@ def default_config(out_features: int, width: int, norm: bool = False, swiglu: bo
 def default_prefetch(out_features: int, width: int, rows: int = FOLD_ROWS) -> int:
     """W's chunks a program of an [out_features, width] product prefetches into L2 before its PDL wait."""
     return PREFETCH_SMALL if rows > FOLD_ROWS or out_features * width <= SMALL_PRODUCT else PREFETCH_LARGE
+
+
+def row_tile(rows: int) -> int:
+    """BLOCK_M: x's rows padded to tl.dot's smallest tile, or to the next power of two above them."""
+    return max(MIN_BLOCK_M, triton.next_power_of_2(rows))
 
 
 def smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
@@ -250,7 +256,8 @@ def default_splits(config: tuple[int, int, int, int], tiles: int, chunks: int, s
                    device: torch.device, block_m: int = MIN_BLOCK_M) -> int:
     """Split-K's ways for a product of `tiles` programs along N and `chunks` BLOCK_K chunks of K at `config`:
     as many as keep every program resident at once (by the shared memory its stages take) and give the GPU
-    about SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with at least MIN_SPLIT_CHUNKS chunks. A
+    about SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with at least MIN_SPLIT_CHUNKS chunks (block_m:
+    x's rows as padded, whose chunks share the stages' shared memory with W's tiles). A
     split that needs a second wave of programs loses (an 8B q/k/v at 1 program per multiprocessor: 27 us with
     3 ways against 20 without, H200), so a large setting over many tiles is not split. None on the CPU."""
     if device.type != "cuda":
@@ -318,7 +325,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = x.new_empty(rows, out_features)
     summed = torch.empty_like(x) if residual is not None else None
     requested = config or default_config(out_features, width, norm is not None, swiglu, rows)
-    key = (requested, x.dtype, x.device, norm is not None, swiglu, max(MIN_BLOCK_M, triton.next_power_of_2(rows)))
+    key = (requested, x.dtype, x.device, norm is not None, swiglu, row_tile(rows))  # shared memory depends on all
     config = _FITTED.get(key, requested)
     while True:
         try:
@@ -341,7 +348,7 @@ def _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, 
     rows, width = x.shape
     out_features = y.shape[1]
     tiles, chunks = triton.cdiv(out_features, block_n), triton.cdiv(width, block_k)
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(rows))
+    block_m = row_tile(rows)
     prefetch = default_prefetch(out_features, width, rows) if prefetch is None else prefetch
     splits = min(splits or default_splits(config, tiles, chunks, swiglu, x.device, block_m), chunks)
     chunks_per_split = triton.cdiv(chunks, splits)
