@@ -24,7 +24,8 @@ import torch
 from torch.nn import functional as F
 
 from bench_common import graph_seconds, kernel_seconds, log, measure_floors, parser, setup as make_setup
-from dendrite_nb.kernels import add_rms_norm, rms_norm, silu_mul, skinny
+from dendrite_nb.cuda_graphs import GRAPH_BLAS_LIBRARY, blas_library
+from dendrite_nb.kernels import add_rms_norm, silu_mul, skinny
 from dendrite_nb.kernels.skinny import FOLD_ROWS, default_config
 
 MODELS = {  # hidden, q width, q/k/v rows, intermediate, layers
@@ -122,12 +123,11 @@ def skinny_chain(layers, x0: torch.Tensor, q_width: int, configs: dict, cublas_u
     the norms folded in up to FOLD_ROWS rows and as their own kernels above, as kernels/products.py runs them."""
     fold = x0.shape[0] <= FOLD_ROWS
 
-    def normed(x, residual, weight, out_features, **options):
+    def normed(x, residual, norm_weight, weight, **options):
         if fold:
-            return skinny(x, out_features, norm=(residual, weight, EPS), **options)
-        normed_x, summed = (rms_norm(x, weight, EPS), x) if residual is None else add_rms_norm(x, residual, weight,
-                                                                                                EPS)
-        return skinny(normed_x, out_features, **options), summed
+            return skinny(x, weight, norm=(residual, norm_weight, EPS), **options)
+        normed_x, summed = add_rms_norm(x, residual, norm_weight, EPS)
+        return skinny(normed_x, weight, **options), summed
 
     def run():
         x, residual = x0, None
@@ -144,15 +144,11 @@ def skinny_chain(layers, x0: torch.Tensor, q_width: int, configs: dict, cublas_u
     return run
 
 
-def with_cublaslt(fn):
-    """fn with torch's products through cuBLASLt, as decode graphs capture them (cuda_graphs.GRAPH_BLAS_LIBRARY)."""
+def with_graph_blas(fn):
+    """fn with torch's products through the BLAS library that decode graphs capture (cuBLASLt)."""
     def run():
-        previous = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        try:
+        with blas_library(GRAPH_BLAS_LIBRARY):
             return fn()
-        finally:
-            torch.backends.cuda.preferred_blas_library(previous)
     return run
 
 
@@ -166,10 +162,7 @@ def chains(setup, floors, rows: int, best) -> None:
         def cublas_chain():
             x, residual = x0, None
             for qkv, o, gate_up, down, norm1, norm2 in layers:
-                if residual is None:
-                    normed, residual = rms_norm(x, norm1, EPS), x
-                else:
-                    normed, residual = add_rms_norm(x, residual, norm1, EPS)
+                normed, residual = add_rms_norm(x, residual, norm1, EPS)
                 x = F.linear(F.linear(normed, qkv)[:, :q_width], o)
                 normed, residual = add_rms_norm(x, residual, norm2, EPS)
                 x = F.linear(silu_mul(F.linear(normed, gate_up)), down)
@@ -184,7 +177,7 @@ def chains(setup, floors, rows: int, best) -> None:
         log(f"\n{model}: {count} layers' products at {rows} rows, {nbytes / 1e9:.2f} GB, floor {floor * 1e3:.3f} ms "
             f"(skinny against cuBLAS: max relative difference {err:.2e})")
         variants = {"cuBLAS + separate norm / SwiGLU kernels": cublas_chain,
-                    "cuBLASLt + separate norm / SwiGLU kernels": with_cublaslt(cublas_chain),
+                    "cuBLASLt + separate norm / SwiGLU kernels": with_graph_blas(cublas_chain),
                     "skinny, folds, default settings": skinny_chain(layers, x0, q_width, defaults),
                     "skinny, folds, default settings, no split-K": skinny_chain(layers, x0, q_width, defaults, splits=1),
                     "skinny, folds, default settings, no prefetch": skinny_chain(layers, x0, q_width, defaults,

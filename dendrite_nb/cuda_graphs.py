@@ -148,7 +148,7 @@ class ForwardGraphs:
         ids[: len(input_ids)].copy_(input_ids)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with _blas_library(GRAPH_BLAS_LIBRARY):
+        with blas_library(GRAPH_BLAS_LIBRARY):
             with torch.cuda.stream(side):
                 self.model(ids, pos, self.kv_layers, self.backend, plan)
             torch.cuda.current_stream(self.device).wait_stream(side)
@@ -164,7 +164,7 @@ class ForwardGraphs:
 
 
 @contextlib.contextmanager
-def _blas_library(name: str):
+def blas_library(name: str):
     """torch's preferred BLAS library set to `name` inside the block, and put back after it; left as it is
     where this torch build lacks that library (torch refuses the setting)."""
     def prefer(*library: str):

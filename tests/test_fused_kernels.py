@@ -81,6 +81,11 @@ def test_add_rms_norm_returns_normed_sum_and_the_sum():
     normed, summed = kernels.add_rms_norm(x, residual, weight, 1e-6, out=(poisoned_like(x), poisoned_like(x)))
     assert torch.equal(summed, x + residual)  # the residual stream is the reference's own sum, bit for bit
     assert rel_err(normed, reference_norm(weight, 1e-6)(x + residual)) < FLOAT32_TOL
+    # No residual (a first layer): x is the stream, returned as it is, and the norm is rms_norm's.
+    out = poisoned_like(x)
+    normed, stream = kernels.add_rms_norm(x, None, weight, 1e-6, out=(out, poisoned_like(x)))
+    assert stream is x and normed is out
+    assert torch.equal(normed, kernels.rms_norm(x, weight, 1e-6))
 
 
 @pytest.mark.parametrize("head_dim", [16, 24, 32])  # 24: a half (12) that is not a power of two

@@ -331,10 +331,10 @@ def test_cuda_graph_steps_of_many_rows_equal_eager_steps(checkpoint):
 
 
 def test_graph_blas_preference_is_put_back_after_a_capture():
-    from dendrite_nb.cuda_graphs import GRAPH_BLAS_LIBRARY, _blas_library
+    from dendrite_nb.cuda_graphs import GRAPH_BLAS_LIBRARY, blas_library
 
     before = torch.backends.cuda.preferred_blas_library()
-    with _blas_library(GRAPH_BLAS_LIBRARY):
+    with blas_library(GRAPH_BLAS_LIBRARY):
         inside = torch.backends.cuda.preferred_blas_library()
     assert torch.backends.cuda.preferred_blas_library() == before
     # A CPU build refuses cuBLASLt, and the preference is then left as it was.

@@ -65,12 +65,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, dim] -> (weight * rmsnorm(x + residual), x + residual), both [T, dim] in x's dtype.
 
-    The second result is the new residual stream; `out` = (normed, summed) receives them when given.
+    The second result is the new residual stream; `out` = (normed, summed) receives them when given. With no
+    residual (a first layer), x itself is the stream: (rms_norm(x), x), as gemv's and skinny's folds take it.
     """
+    if residual is None:
+        return rms_norm(x, weight, eps, out=None if out is None else out[0]), x
     _check_like("residual", residual, x)
     normed, summed = (torch.empty_like(x), torch.empty_like(x)) if out is None else out
     _check_like("out[0]", normed, x)

@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from .gemv import gemv
-from .norm import add_rms_norm, rms_norm
+from .norm import add_rms_norm
 from .skinny import FOLD_ROWS, MIN_ROWS, skinny
 from .swiglu import silu_mul
 
@@ -54,7 +54,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         return gemv(x, weight, bias, norm=(residual, norm_weight, eps))
     if kernel == "skinny" and x.shape[0] <= FOLD_ROWS:
         return skinny(x, weight, bias, norm=(residual, norm_weight, eps))
-    normed, summed = _norm(x, residual, norm_weight, eps)
+    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), summed
 
 
@@ -66,18 +66,11 @@ def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias:
     kernel = product_kernel(x, gate_up_weight)
     if kernel == "gemv":
         return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
-    if kernel == "skinny" and x.shape[0] <= FOLD_ROWS:
-        return skinny(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
     if kernel == "skinny":
-        normed, summed = _norm(x, *norm)
+        if x.shape[0] <= FOLD_ROWS:
+            return skinny(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
+        normed, summed = add_rms_norm(x, *norm)
         return skinny(normed, gate_up_weight, gate_up_bias, swiglu=True), summed
     gate_up, summed = norm_linear(x, norm[0], norm[1], norm[2], gate_up_weight, gate_up_bias)
     return silu_mul(gate_up), summed
 
-
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual) * weight, x + residual) by the norm's own kernel; x is the stream without a residual."""
-    if residual is None:
-        return rms_norm(x, norm_weight, eps), x
-    return add_rms_norm(x, residual, norm_weight, eps)
