@@ -17,8 +17,11 @@ from dendrite_nb.attention.triton_backend import TritonAttention
 from dendrite_nb.kv.cascade import decode_layout
 from tree_attention import BLOCK_SIZE, SCENARIOS, Scenario, build_tree
 
-# tree_attention's scenarios, and (a): decode_step's 8B layout, 64 leaves x 16 tokens under a 4,096-token prefix.
-SWEPT = [*SCENARIOS, Scenario("a", 4096, ((64, 16),), None)]
+# tree_attention's scenarios; (a): decode_step's 8B layout, 64 leaves x 16 tokens under a 4,096-token prefix;
+# (tot): a tree-of-thought step halfway down the search, 5 leaves x 16 tokens under a 576-token path; (1): one
+# leaf of 512 tokens, as decode_step's (b) (which has the 0.6B model's heads, half the query heads per KV head).
+SWEPT = [*SCENARIOS, Scenario("a", 4096, ((64, 16),), None), Scenario("tot", 576, ((5, 16),), None),
+         Scenario("1", 511, ((1, 1),), None)]
 
 VARIANTS = [
     ("default", {}),
@@ -43,6 +46,9 @@ VARIANTS = [
     ("tiles 16/64, 4 stages", {"tile_widths": (64,), "wide_launch": (4, 4)}),
     ("tiles 16/64, n 128 8w", {"tile_widths": (64,), "wide_launch": (8, 2), "wide_block_n": 128}),
     ("tiles 16/32", {"tile_widths": (32,)}),
+    # Longer chunks of a short context: fewer programs, each with more steps, and fewer partials to merge.
+    ("min chunk 128", {"min_chunk_tokens": 128}),
+    ("min chunk 256", {"min_chunk_tokens": 256}),
 ]
 
 
