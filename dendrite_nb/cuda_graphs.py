@@ -137,18 +137,21 @@ class ForwardGraphs:
         captured.copied.record()
 
     def _capture(self, bucket: int, shape: Any, host: Any, input_ids: list[int], positions: list[int]) -> _Captured:
+        from .kernels.products import graph_products  # Triton's products: imported where a GPU captures
+
         buffer = torch.zeros(2 * bucket + shape.numel, dtype=torch.int32, device=self.device)
         staging = torch.empty(buffer.shape, dtype=torch.int32).pin_memory()
         captured = _Captured(torch.cuda.CUDAGraph(), bucket, shape, buffer, staging, torch.cuda.Event(), buffer)
         ids, pos = buffer[:bucket], buffer[bucket: 2 * bucket]
         plan = self.backend.bind(buffer[2 * bucket:], shape)
         # The warm-up runs this very step for real (its KV writes are the ones the replay repeats): it
-        # compiles the kernels and allocates the plan's scratch outside the graph's pool.
+        # compiles the kernels and allocates the plan's scratch outside the graph's pool. Both run the
+        # products that graphs take (graph_products: few rows to skinny; more through cuBLASLt).
         self._upload_plan(captured, host, positions)
         ids[: len(input_ids)].copy_(input_ids)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with blas_library(GRAPH_BLAS_LIBRARY):
+        with blas_library(GRAPH_BLAS_LIBRARY), graph_products():
             with torch.cuda.stream(side):
                 self.model(ids, pos, self.kv_layers, self.backend, plan)
             torch.cuda.current_stream(self.device).wait_stream(side)

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from torch.nn import functional as F  # noqa: E402
 
 from dendrite_nb import Engine, SamplingParams, kernels  # noqa: E402
+from dendrite_nb.kernels.products import graph_products  # noqa: E402
 from dendrite_nb.model.config import ModelConfig  # noqa: E402
 from dendrite_nb.model.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from dendrite_nb.model.transformer import CausalLM, RMSNorm  # noqa: E402
@@ -308,10 +309,30 @@ def test_skinny_refuses_a_bad_prefetch_count_and_writes_nothing():
 
 
 def test_products_go_to_gemv_skinny_or_cublas_by_rows():
+    """As a captured forward dispatches them (on a GPU an eager one sends 2-64 rows to cuBLAS too: below)."""
     weight = random(64, 32)
-    assert [kernels.product_kernel(random(rows, 32), weight) for rows in (1, 2, 16, 17, 64, 65)] == \
-        ["gemv", "skinny", "skinny", "skinny", "skinny", "cublas"]
-    assert kernels.product_kernel(random(32, 4)[:, :2].t(), random(64, 4)) == "cublas"  # columns not contiguous
+    with graph_products():
+        assert [kernels.product_kernel(random(rows, 32), weight) for rows in (1, 2, 16, 17, 64, 65)] == \
+            ["gemv", "skinny", "skinny", "skinny", "skinny", "cublas"]
+        assert kernels.product_kernel(random(32, 4)[:, :2].t(), random(64, 4)) == "cublas"  # columns not contiguous
+
+
+@pytest.mark.gpu
+def test_products_on_a_gpu_go_to_skinny_only_in_forwards_that_graphs_capture():
+    """An eager step on a GPU is bound by the host's launches, and skinny's cost the host more than cuBLAS's
+    (benchmarks/REPORT.md): few rows go to skinny only inside graph_products(), which wraps a graph's capture."""
+    weight = torch.randn(64, 32, device="cuda")
+
+    def kinds():
+        return [kernels.product_kernel(torch.randn(rows, 32, device="cuda"), weight) for rows in (1, 2, 64, 65)]
+    assert kinds() == ["gemv", "cublas", "cublas", "cublas"]
+    with graph_products():
+        with graph_products():
+            assert kinds() == ["gemv", "skinny", "skinny", "cublas"]
+        assert kinds() == ["gemv", "skinny", "skinny", "cublas"]  # still inside the outer block
+    with pytest.raises(KeyError), graph_products():
+        raise KeyError("a failed capture")
+    assert kinds() == ["gemv", "cublas", "cublas", "cublas"]
 
 
 def test_skinny_refuses_a_row_count_it_does_not_take():
@@ -580,16 +601,17 @@ def test_fused_forward_has_no_host_sync_and_replays_as_a_cuda_graph():
                              dtype=torch.bfloat16) for _ in range(layers)]
     input_ids = torch.randint(0, 1000, (64,), device="cuda")
     positions = torch.arange(100, 164, device="cuda")
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        model(input_ids, positions, kv_layers, backend, None)  # compiles the kernels; raises on a host sync
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph, hidden = captured(lambda: model(input_ids, positions, kv_layers, backend, None))
-    input_ids.copy_(torch.randint(0, 1000, (64,), device="cuda"))
-    positions.add_(5000)
-    graph.replay()
-    assert torch.equal(hidden, model(input_ids, positions, kv_layers, backend, None))
+    with graph_products():  # the products a captured step runs (skinny at 64 rows), eager ones as well
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(input_ids, positions, kv_layers, backend, None)  # compiles the kernels; raises on a host sync
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph, hidden = captured(lambda: model(input_ids, positions, kv_layers, backend, None))
+        input_ids.copy_(torch.randint(0, 1000, (64,), device="cuda"))
+        positions.add_(5000)
+        graph.replay()
+        assert torch.equal(hidden, model(input_ids, positions, kv_layers, backend, None))
 
 
 @pytest.mark.gpu

@@ -313,8 +313,9 @@ def test_cuda_graph_prefills_equal_eager_prefills(checkpoint):
 
 @pytest.mark.gpu
 def test_cuda_graph_steps_of_many_rows_equal_eager_steps(checkpoint):
-    """24 leaves: more rows than skinny takes, so the graphs capture their products through cuBLASLt
-    (cuda_graphs.GRAPH_BLAS_LIBRARY) while the eager engine runs torch's default cuBLAS."""
+    """24 leaves: the graphs capture their products through skinny (kernels.products.graph_products), and the
+    norms as their own kernels (more than skinny.FOLD_ROWS rows), while the eager engine runs them through
+    torch's default cuBLAS."""
     results = []
     for graphs in (False, True):
         eng = Engine.from_pretrained(checkpoint(), device="cuda", attention="triton", num_blocks=512, block_size=4,

@@ -9,9 +9,20 @@ before it and the SwiGLU after it folded in where that kernel can fold them.
 - more (prefill, large batches): cuBLAS, with the norm and the SwiGLU as their own kernels (captured
   through cuBLASLt inside decode graphs: cuda_graphs.py).
 
+Skinny only where its launches cost the host nothing: in a forward that a CUDA graph captures (graph_products(),
+around the capture and its warm-up) or on the CPU (the interpreter's tests). A step that runs eagerly on a GPU
+(cuda_graphs=False, or the FlashInfer backend, which graphs refuse) is bound by the host's launches, and a launch
+of skinny costs the host more than cuBLAS's. On an H200, eager decode steps of the 8B model at 64 rows took
+15-16 ms with cuBLAS against 19-20 ms with skinny (FlashInfer's attention, or Triton's), and 0.6B ones at 5 rows
+12-14 against 16-21 ms; inside graphs skinny won (8B at 5 rows 4.63 against 5.15 ms, 0.6B 1.02 against 1.28).
+gemv keeps one row eagerly too: there it beat cuBLAS with its separate norm and SwiGLU kernels (decode step
+(b) 10.1-11.1 against 11.9 ms).
+
 benchmarks/REPORT.md has the measurements behind the row limits.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.nn import functional as F
@@ -23,6 +34,19 @@ from .swiglu import silu_mul
 
 GEMV_ROWS = 1  # the most rows sent to gemv
 SKINNY_ROWS = 64  # the most rows sent to skinny (at most skinny.MAX_ROWS)
+_graph_depth = 0  # graph_products() blocks entered and not yet left
+
+
+@contextlib.contextmanager
+def graph_products():
+    """Inside this block the forward is one that a CUDA graph captures (or its warm-up): few-row products go
+    to skinny, whose launches the graph replays for free. Outside it, on a GPU, they go to cuBLAS."""
+    global _graph_depth
+    _graph_depth += 1
+    try:
+        yield
+    finally:
+        _graph_depth -= 1
 
 
 def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -32,7 +56,8 @@ def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
     rows = x.shape[0]
     if rows <= GEMV_ROWS:
         return "gemv"
-    return "skinny" if MIN_ROWS <= rows <= SKINNY_ROWS else "cublas"
+    eager_gpu = x.is_cuda and not _graph_depth
+    return "skinny" if MIN_ROWS <= rows <= SKINNY_ROWS and not eager_gpu else "cublas"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
