@@ -134,7 +134,7 @@ def test_prefill_chunks(run):
 
 
 def test_gpu_diagnostics_name_what_exists(monkeypatch):
-    """profile_step.py, tune_tree_attention.py and tune_skinny.py run on a GPU only; here, every function they
+    """profile_step.py, tune_tree_attention.py, tune_skinny.py and eager_products.py run on a GPU only; here, every function they
     time and every attention variant they build must still exist, so a rename breaks this test, not the GPU
     run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -151,6 +151,8 @@ def test_gpu_diagnostics_name_what_exists(monkeypatch):
         profile_step.main(["--smoke", "--device", "cpu"])
     with pytest.raises(SystemExit, match="GPU"):
         importlib.import_module("tune_skinny").main(["--smoke", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="GPU"):
+        importlib.import_module("eager_products").main(["--smoke", "--device", "cpu"])
 
 
 def test_persistent_chain_probe_matches_torch_in_the_interpreter(monkeypatch, capsys):
