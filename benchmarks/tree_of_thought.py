@@ -14,12 +14,14 @@ config, holding the engine model's weights):
       row's cache becomes the next level's node.
 Floor: the prompt's prefill plus the engine's 320 decode steps, each reading the weights and the tree's
 KV once, over the copy bandwidth measured in the same run (or their FLOPs at the matmul rate if larger).
-Targets: the engine >= 5x faster than (b) at 8B, >= 20x at 0.6B. The engine searches twice with the same
-seeds: the first search captures a CUDA graph for each attention plan shape the deepening tree brings (as an
-engine capturing at start-up would have done before); the second, "repeated", replays them and is the one
-judged. Both are printed.
+Targets: the engine >= 5x faster than (b) at 8B, >= 20x at 0.6B. The engine searches with the same seeds
+each time: the first search captures a CUDA graph for each attention plan shape the deepening tree brings (as
+an engine capturing at start-up would have done before); the later, "repeated", ones replay them. The judged
+figures are the fastest of --repeats repeated searches and the fastest of --repeats runs of peer (b): the
+host's noise moved single runs of (b) from 6.8 to 14.4 s on one kind of machine, and the comparison is with
+the peer at its best. Every run's time is printed. Peer (a), which no target names, runs once.
 
-    python benchmarks/tree_of_thought.py [--shapes qwen3-0.6b llama-3.1-8b] [--json PATH] [--smoke]
+    python benchmarks/tree_of_thought.py [--shapes qwen3-0.6b llama-3.1-8b] [--repeats 3] [--json PATH] [--smoke]
 """
 from __future__ import annotations
 
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     arguments = parser(__doc__)
     arguments.add_argument("--shapes", nargs="+", choices=sorted(TARGETS), default=sorted(TARGETS, reverse=True))
     arguments.add_argument("--attention", default="auto")
+    arguments.add_argument("--repeats", type=int, default=3,
+                           help="repeated engine searches and runs of peer (b); the fastest of each is judged")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     width, depth, tokens, prompt_len = (3, 2, 4, 16) if setup.smoke else (5, 10, 32, 256)
@@ -153,12 +157,15 @@ def main(argv: list[str] | None = None) -> dict:
         captures_before = graphs.captures if graphs is not None else 0
         first_s = engine_search(engine, prompt_ids, width, depth, tokens)
         captures = (graphs.captures if graphs is not None else 0) - captures_before
-        engine_s = engine_search(engine, prompt_ids, width, depth, tokens)
-        log(f"  engine: first search {first_s:.3f} s ({captures} CUDA graph captures in it), repeated {engine_s:.3f} s")
+        repeated = [engine_search(engine, prompt_ids, width, depth, tokens) for _ in range(args.repeats)]
+        engine_s = min(repeated)
+        log(f"  engine: first search {first_s:.3f} s ({captures} CUDA graph captures in it), repeated "
+            f"{', '.join(f'{t:.3f}' for t in repeated)} s")
         reprefill_s = hf_reprefill(twin, prompt, width, depth, tokens)
         log(f"  transformers, re-prefill: {reprefill_s:.3f} s")
-        cache_copy_s = hf_cache_copy(twin, prompt, width, depth, tokens)
-        log(f"  transformers, DynamicCache deep copy: {cache_copy_s:.3f} s")
+        copies = [hf_cache_copy(twin, prompt, width, depth, tokens) for _ in range(args.repeats)]
+        cache_copy_s = min(copies)
+        log(f"  transformers, DynamicCache deep copy: {', '.join(f'{t:.3f}' for t in copies)} s")
 
         steps = [(level, step) for level in range(depth) for step in range(tokens)]
         floor_s = floors.seconds(costs.weight_bytes + costs.kv_bytes(prompt_len), costs.prefill_flops(prompt_len, 0))
@@ -169,14 +176,16 @@ def main(argv: list[str] | None = None) -> dict:
         label = {"shape": setup.shape_name(shape)}
         table.add(**label, system=f"engine ({engine.backend.name}), first search", s=first_s, floor_s=floor_s,
                   x_floor=first_s / floor_s, target="")
-        table.add(**label, system=f"engine ({engine.backend.name}), repeated", s=engine_s, floor_s=floor_s,
-                  x_floor=engine_s / floor_s, target="")
+        table.add(**label, system=f"engine ({engine.backend.name}), repeated (best of {args.repeats})", s=engine_s,
+                  floor_s=floor_s, x_floor=engine_s / floor_s, target="")
         table.add(**label, system=f"(a) HF re-prefill, batched {width}", s=reprefill_s, floor_s=floor_s,
                   x_floor=reprefill_s / floor_s, speedup=reprefill_s / engine_s, target="")
-        table.add(**label, system=f"(b) HF DynamicCache deepcopy, batched {width}", s=cache_copy_s, floor_s=floor_s,
-                  x_floor=cache_copy_s / floor_s, speedup=cache_copy_s / engine_s, target=f">= {target:g}x")
+        table.add(**label, system=f"(b) HF DynamicCache deepcopy, batched {width} (best of {args.repeats})",
+                  s=cache_copy_s, floor_s=floor_s, x_floor=cache_copy_s / floor_s, speedup=cache_copy_s / engine_s,
+                  target=f">= {target:g}x")
         speedup = cache_copy_s / engine_s
-        report.note(f"{setup.shape_name(shape)}: engine {engine_s:.2f} s repeated ({first_s:.2f} s in the first "
+        report.note(f"{setup.shape_name(shape)}: engine {engine_s:.2f} s repeated, best of {args.repeats} "
+                    f"({first_s:.2f} s in the first "
                     f"search, {captures} graph captures), {reprefill_s / engine_s:.1f}x faster than (a) re-prefill, "
                     f"{speedup:.1f}x faster than (b) cache copy (target >= {target:g}x: "
                     f"{'met' if speedup >= target else 'NOT met'}; first search {cache_copy_s / first_s:.1f}x); "
