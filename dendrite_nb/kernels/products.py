@@ -51,7 +51,8 @@ def graph_products():
 
 
 def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """Which kernel runs x @ weight.T here: "gemv", "skinny" or "cublas"."""
+    """Which kernel runs x @ weight.T here: "gemv", "skinny" or "cublas" (on a GPU, "skinny" only inside
+    graph_products(): an eager step sends its 2-64 rows to cuBLAS)."""
     if x.dim() != 2 or x.stride(-1) != 1 or weight.stride(1) != 1:
         return "cublas"
     rows = x.shape[0]
@@ -88,7 +89,8 @@ def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias:
                     norm: tuple[torch.Tensor | None, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up of the stacked gate_up projection of weight * rmsnorm(x + residual), x + residual) for
     norm = (residual, weight, eps), as norm_linear returns them. One kernel for a decode step of up to FOLD_ROWS
-    rows; then the norm's own kernel and skinny with the SwiGLU, up to SKINNY_ROWS; cuBLAS and two kernels beyond."""
+    rows; then the norm's own kernel and skinny with the SwiGLU, up to SKINNY_ROWS; cuBLAS and two kernels beyond,
+    and wherever product_kernel picks cuBLAS (an eager step on a GPU)."""
     kernel = product_kernel(x, gate_up_weight)
     if kernel == "gemv":
         return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
