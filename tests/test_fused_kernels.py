@@ -4,6 +4,7 @@ Without CUDA the kernels run in Triton's interpreter on CPU tensors, in float32 
 bfloat16); with CUDA the same tests run on the GPU, and the `gpu` tests add bfloat16, real sizes and a CUDA
 graph capture of the fused forward.
 """
+import contextlib
 import importlib
 import os
 
@@ -199,16 +200,20 @@ def test_gemv_with_the_norm_and_swiglu_folded_in_matches_the_separate_kernels(ro
     swiglu, stream = kernels.gemv(x, weight, bias, norm=(residual, norm_weight, 1e-6), swiglu=True, config=config)
     assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
     # The dispatching wrappers agree with the kernels (gemv, skinny) on decode steps, run the norm's own kernel
-    # before skinny above 16 rows, and the separate kernels and cuBLAS above 64.
-    for count in (rows, 9, 17, 65):
-        xs = random(count, 1000) * 3
-        res = random(count, 1000, seed=1) if with_residual else None
-        expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(xs, res, norm_weight,
-                                                                                          weight, bias)
-        product, stream = kernels.norm_linear(xs, res, norm_weight, 1e-6, weight, bias)
-        assert rel_err(product, expected_product) < FLOAT32_TOL and torch.equal(stream, expected_stream)
-        swiglu, stream = kernels.linear_silu_mul(xs, weight, bias, norm=(res, norm_weight, 1e-6))
-        assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+    # before skinny above 16 rows, and the separate kernels and cuBLAS above 64. Inside graph_products(), as a
+    # captured forward runs them: on a GPU an eager step sends 2-64 rows to cuBLAS instead (below), and both
+    # ways must agree with the reference.
+    for in_graph in (True, False) if DEVICE == "cuda" else (True,):  # on the CPU both ways are skinny
+        for count in (rows, 9, 17, 65):
+            xs = random(count, 1000) * 3
+            res = random(count, 1000, seed=1) if with_residual else None
+            expected_product, expected_swiglu, expected_stream = reference_norm_linear_swiglu(xs, res, norm_weight,
+                                                                                              weight, bias)
+            with graph_products() if in_graph else contextlib.nullcontext():
+                product, stream = kernels.norm_linear(xs, res, norm_weight, 1e-6, weight, bias)
+                swiglu, summed = kernels.linear_silu_mul(xs, weight, bias, norm=(res, norm_weight, 1e-6))
+            assert rel_err(product, expected_product) < FLOAT32_TOL and torch.equal(stream, expected_stream)
+            assert rel_err(swiglu, expected_swiglu) < FLOAT32_TOL and torch.equal(summed, expected_stream)
 
 
 @pytest.mark.parametrize("rows,with_residual,with_bias", [(2, True, False), (5, False, True), (16, True, True),
