@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
             ours, theirs = results.get((attention, "cuBLAS")), results.get((attention, "skinny"))
             if ours and theirs:
                 wins = sum(a < b for a, b in zip(ours, theirs))
-                log(f"  {attention}: cuBLAS faster in {wins} of {len(ours)} rounds; medians {statistics.median(ours):.3f} "
-                    f"against {statistics.median(theirs):.3f} ms")
+                log(f"  {attention}: cuBLAS faster in {wins} of {len(ours)} rounds; medians "
+                    f"{statistics.median(ours):.3f} against {statistics.median(theirs):.3f} ms")
         del model
         free_memory(setup.device)
 

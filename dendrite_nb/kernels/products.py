@@ -13,9 +13,9 @@ Skinny only where its launches cost the host nothing: in a forward that a CUDA g
 around the capture and its warm-up) or on the CPU (the interpreter's tests). A step that runs eagerly on a GPU
 (cuda_graphs=False, or the FlashInfer backend, which graphs refuse) is bound by the host's launches, and a launch
 of skinny costs the host more than cuBLAS's. On three H200 machines, alternating, cuBLAS ran the eager steps
-faster in 29 pairs of 33 (benchmarks/eager_products.py). Examples: the 8B model at 64 rows with FlashInfer's attention took 14.2-17.0 ms against
-17.3-20.6, and the 0.6B at 5 rows 12.5-13.9 against 16.1-21.0. Inside graphs, skinny won every pair (8B at 5
-rows: 4.63 against 5.15 ms; 0.6B: 1.02 against 1.28).
+faster in 29 pairs of 33 (benchmarks/eager_products.py). Examples: the 8B model at 64 rows with FlashInfer's
+attention took 14.2-17.0 ms against 17.3-20.6, and the 0.6B at 5 rows 12.5-13.9 against 16.1-21.0. Inside
+graphs, skinny won every pair (8B at 5 rows: 4.63 against 5.15 ms; 0.6B: 1.02 against 1.28).
 gemv keeps one row eagerly too: there it beat cuBLAS with its separate norm and SwiGLU kernels (decode step
 (b) 10.1-11.1 against 11.9 ms).
 
