@@ -4,10 +4,14 @@ Each variant is a TritonAttention built with the given keyword arguments; every 
 layout and attends with the same q, timed as tree_attention.py times it (CUDA-graph replays, L2 flushed).
 FlashInfer is not run here: tree_attention.py measures it beside the defaults.
 
-    python benchmarks/tune_tree_attention.py [--only default "wide 8 warps"]
+    python benchmarks/tune_tree_attention.py [--only default "wide 8 warps"] [--launches]
+
+--launches also times each launch of a layer alone (one per tile width) and the merge alone, and prints each
+launch's registers, spilled registers and shared memory per program, where the whole layer's time goes.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -22,6 +26,8 @@ from tree_attention import BLOCK_SIZE, SCENARIOS, Scenario, build_tree
 # leaf of 512 tokens, as decode_step's (b) (which has the 0.6B model's heads, half the query heads per KV head).
 SWEPT = [*SCENARIOS, Scenario("a", 4096, ((64, 16),), None), Scenario("tot", 576, ((5, 16),), None),
          Scenario("1", 511, ((1, 1),), None)]
+# --smoke (a CI check in the CPU interpreter): a shared prefix under leaves with runs of their own, as in (a).
+SMOKE_SWEPT = [Scenario("a", 64, ((3, 17),), None)]
 
 VARIANTS = [
     ("default", {}),
@@ -56,22 +62,25 @@ def main(argv: list[str] | None = None) -> None:
     arguments = parser(__doc__)
     arguments.add_argument("--only", nargs="+", default=None, metavar="VARIANT",
                            help="run only these variants (their labels, as printed)")
+    arguments.add_argument("--launches", action="store_true",
+                           help="also time each launch and the merge alone, with their compiled resources")
     args = arguments.parse_args(argv)
     variants = [(label, options) for label, options in VARIANTS if args.only is None or label in args.only]
     if not variants:
         raise SystemExit(f"no variant is called {args.only}; the variants: {[label for label, _ in VARIANTS]}")
     setup = make_setup(args)
+    swept = SMOKE_SWEPT if setup.smoke else SWEPT
     hf_config = setup.hf_config("llama-3.1-8b", num_hidden_layers=1, vocab_size=1024)
     model = build_model(setup, hf_config)
     config = model.config
     engine, reason = engine_variant(model, setup, "torch", None, block_size=BLOCK_SIZE,
-                                    num_blocks=sum(s.num_blocks() for s in SWEPT) + 16)
+                                    num_blocks=sum(s.num_blocks() for s in swept) + 16)
     if engine is None:
         raise SystemExit(reason)
     kv = engine.pool.layers()[0]
-    log(f"{'variant':>20} " + " ".join(f"{'(' + s.key + ') us':>10}" for s in SWEPT))
+    log(f"{'variant':>20} " + " ".join(f"{'(' + s.key + ') us':>10}" for s in swept))
     layouts = []
-    for index, scenario in enumerate(SWEPT):
+    for index, scenario in enumerate(swept):
         leaves = build_tree(engine, scenario, config.vocab_size)
         generator = torch.Generator().manual_seed(index)
         q = torch.randn(len(leaves), config.num_heads, config.head_dim, generator=generator).to(setup.device,
@@ -80,11 +89,32 @@ def main(argv: list[str] | None = None) -> None:
     for label, options in variants:
         backend = TritonAttention(**options)
         backend.configure(config.num_heads, config.num_kv_heads)
-        times = []
-        for layout, q in layouts:
+        times, dissections = [], []
+        for scenario, (layout, q) in zip(swept, layouts):
             plan = backend.plan(layout, BLOCK_SIZE, setup.device)
             times.append(kernel_seconds(functools.partial(backend.attend, plan, q, kv), setup.device))
+            if args.launches:
+                dissections.append(f"({scenario.key}) " + launch_by_launch(backend, plan, q, kv, setup.device))
         log(f"{label:>20} " + " ".join(f"{t * 1e6:10.1f}" for t in times))
+        for line in dissections:
+            log(f"{'':>20}   {line}")
+
+
+def launch_by_launch(backend: TritonAttention, plan, q: torch.Tensor, kv, device: torch.device) -> str:
+    """Each launch of write_partials alone, then the merge alone (us, L2 flushed), with each launch's compiled
+    registers / spills / shared memory per program. The layer runs its launches alongside each other (a later
+    width waits only before it ends), so the parts add up to more than the layer."""
+    parts = []
+    for launch in plan.launches:
+        alone = dataclasses.replace(plan, launches=[launch])  # same buffers and scratch, one launch
+        (compiled,) = backend.write_partials(alone, q, kv)
+        seconds = kernel_seconds(functools.partial(backend.write_partials, alone, q, kv), device)
+        resources = (f"{compiled.n_regs} regs, {compiled.n_spills} spills, {compiled.metadata.shared / 1024:.0f} KB"
+                     if hasattr(compiled, "n_regs") else "interpreted")
+        parts.append(f"{launch.block_m}-wide{' short' if launch.short else ''} x{launch.items.shape[0]}: "
+                     f"{seconds * 1e6:.1f} us [{resources}]")
+    merge = kernel_seconds(functools.partial(backend.merge, plan, q), device)
+    return " | ".join(parts) + f" | merge ({plan.num_slots} slots): {merge * 1e6:.1f} us"
 
 
 if __name__ == "__main__":

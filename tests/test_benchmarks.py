@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -159,6 +160,25 @@ def test_gpu_diagnostics_name_what_exists(monkeypatch):
         importlib.import_module("tune_skinny").main(["--smoke", "--device", "cpu"])
     with pytest.raises(SystemExit, match="GPU"):
         importlib.import_module("eager_products").main(["--smoke", "--device", "cpu"])
+
+
+def test_attention_tuner_times_each_launch_and_the_merge_alone(monkeypatch, capsys):
+    """tune_tree_attention.py --launches: under each variant's line, a scenario's launches one by one (tile width,
+    items, time, compiled resources) and its merge (slots, time); every time positive."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    triton = pytest.importorskip("triton")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("the tuner's CPU run needs TRITON_INTERPRET=1 (the test session's default)")
+    importlib.import_module("tune_tree_attention").main(["--smoke", "--device", "cpu", "--only", "default",
+                                                         "--launches"])
+    header, variant, dissection = capsys.readouterr().out.strip().splitlines()
+    assert header.split() == ["variant", "(a)", "us"] and variant.split()[0] == "default"
+    assert float(variant.split()[1]) > 0
+    launches, merge = dissection.strip().split(" | ")[:-1], dissection.split(" | ")[-1]
+    assert launches and all(re.fullmatch(r"(\(a\) )?\d+-wide( short)? x\d+: [\d.]+ us \[interpreted\]", part)
+                            for part in launches), dissection
+    assert re.fullmatch(r"merge \(\d+ slots\): [\d.]+ us", merge), dissection
+    assert all(float(number) > 0 for number in re.findall(r"([\d.]+) us", dissection))
 
 
 def test_persistent_chain_probe_matches_torch_in_the_interpreter(monkeypatch, capsys):

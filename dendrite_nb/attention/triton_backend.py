@@ -198,8 +198,10 @@ class TritonAttention:
         self.write_partials(plan, q, kv)
         return self.merge(plan, q)
 
-    def write_partials(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> None:
-        """Every item's partial outputs and log-sum-exps into the plan's scratch (one launch per tile width)."""
+    def write_partials(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> list:
+        """Every item's partial outputs and log-sum-exps into the plan's scratch (one launch per tile width).
+        Returns what each launch returned (Triton's compiled kernels, whose registers, spills and shared memory
+        benchmarks/tune_tree_attention.py --launches prints)."""
         from .triton_kernels import LOG2E, segment_attention_kernel
 
         num_heads, head_dim = q.shape[1:]
@@ -214,6 +216,7 @@ class TritonAttention:
         ks = kv.k_scale if fp8 else partial  # any tensor: never read without FP8
         vs = kv.v_scale if fp8 else partial
         stride_sb, stride_st = (ks.stride(0), ks.stride(1)) if fp8 else (0, 0)
+        compiled = []
         for index, launch in enumerate(plan.launches):
             if launch.short:
                 block_n, warps, stages = self.short_run_launch
@@ -222,14 +225,15 @@ class TritonAttention:
             else:
                 block_n, (warps, stages) = BLOCK_N, self.narrow_launch
             block_n = INTERPRET_BLOCK_N if interpreting() else block_n
-            segment_attention_kernel[(launch.items.shape[0], kv_heads)](
+            compiled.append(segment_attention_kernel[(launch.items.shape[0], kv_heads)](
                 q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos, plan.block_ids,
                 q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
                 partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
                 NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
                 BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
                 WAIT_AT_END=index > 0, num_warps=warps, num_stages=stages, **pdl_arguments(q),
-            )
+            ))
+        return compiled
 
     def merge(self, plan: TritonPlan, q: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim] in q's dtype: each token's partials (write_partials) combined."""
