@@ -26,7 +26,10 @@ INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small 
 # narrowest tile that holds all its rows (a mid-level node of 16 rows x 4 heads fills a 64-wide tile, not
 # half of a 128-wide one), or as many of the widest as it needs.
 TILE_WIDTHS = (64, 128)
-WIDE_LAUNCH = (4, 3)  # num_warps, num_stages of wide tiles (8 warps: 8% slower on tree_attention (i), 8% faster on decode_step (a))
+# num_warps, num_stages of wide tiles. 4 warps of a 128-wide tile spill 36 registers, 8 warps none, yet 8 warps
+# were slower on an H200 (the 128-wide launch timed alone, as tune_tree_attention.py --launches does: tree_attention
+# (i) 124.7 against 93.4 us, decode_step (a)'s layout 29.0 against 23.0; benchmarks/REPORT.md).
+WIDE_LAUNCH = (4, 3)
 NARROW_LAUNCH = (4, 2)  # num_warps, num_stages of 16-wide tiles (a few rows, or one row's heads)
 # BLOCK_N, num_warps, num_stages of the narrowest tiles when all their runs are short (PlanShape.short_runs):
 # on tree_attention (i), 256 leaves' one token each under an 8,192-token prefix, the whole layer went from 144
