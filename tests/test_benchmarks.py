@@ -141,9 +141,9 @@ def test_prefill_chunks(run):
 
 
 def test_gpu_diagnostics_name_what_exists(monkeypatch):
-    """profile_step.py, tune_tree_attention.py, tune_skinny.py and eager_products.py run on a GPU only; here,
-    every function they time and every attention variant they build must still exist, so a rename breaks this
-    test, not the GPU run."""
+    """profile_step.py, tune_skinny.py and eager_products.py run on a GPU only, and tune_tree_attention.py's real
+    sweeps too (its smoke run is the next test); here, every function they time and every attention variant they
+    build must still exist, so a rename breaks this test, not the GPU run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     pytest.importorskip("triton")
     profile_step = importlib.import_module("profile_step")
