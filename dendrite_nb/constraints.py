@@ -21,6 +21,10 @@ class Constraint:
     kind: str    # one of CONSTRAINT_KINDS
     value: Any   # dict (json_schema), str (regex, grammar) or tuple[str, ...] (choices)
 
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:   # a Constraint made by hand skips parse_constraint's checks
+            raise ConstraintError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(CONSTRAINT_KINDS)}.")
+
     def grammar_source(self) -> str:
         """The text llguidance compiles, in the format LLGUIDANCE_FORMAT[kind] names."""
         if self.kind == "json_schema":

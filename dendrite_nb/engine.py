@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import os
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from .kv.tree import RECOMPUTE
 from .model.config import ModelConfig
 from .model.loader import load_model, random_model, read_config
 from .model.transformer import CausalLM
-from .sampling import SamplingParams, derive_seed, sample
+from .sampling import SamplingParams, check_seed, derive_seed, sample
 from .snapshot import block_snapshot, tree_snapshot
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,6 +51,28 @@ def parse_dtype(dtype: str | torch.dtype, choices: dict[str, torch.dtype] = DTYP
     return choices[dtype]
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device {device!r} is not a device torch knows ({error}); use 'cpu', 'cuda' or "
+                         f"'cuda:N'.") from None
+
+
+def is_count(value: Any) -> bool:
+    """A positive int. A bool is not a count, though Python makes it an int."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_pool_options(block_size: Any = 16, num_blocks: Any = None) -> None:
+    """Raise ValueError on a pool size torch could not allocate, before any weight is loaded."""
+    if not is_count(block_size):
+        raise ValueError(f"block_size must be a positive int (tokens per KV block), got {block_size!r}.")
+    if num_blocks is not None and not is_count(num_blocks):
+        raise ValueError(f"num_blocks must be a positive int (KV blocks in the pool) or None (fit the device), "
+                         f"got {num_blocks!r}.")
+
+
 def fused_kernels_available(device: torch.device) -> bool:
     """Whether the Triton decoder kernels can run on `device` (imported only here: triton is optional)."""
     try:
@@ -58,6 +81,10 @@ def fused_kernels_available(device: torch.device) -> bool:
         return False
     return unavailable_reason(device) is None
 
+
+# The most children one fork makes: each is a small Python object (about 0.3 KB with its name), and a count
+# past this is a slip (1e12 children would take the host's memory), not a search.
+MAX_FORK = 1_000_000
 
 # str(i) for the first indexes, kept across forks: formatting 1,000 ints is a third of a 1,000-child fork.
 _INDEX_TEXT: list[str] = []
@@ -85,7 +112,8 @@ class Engine:
         self.source: dict[str, Any] | None = None
         self.options = {"attention": attention, "seed": seed, "prefill_chunk_tokens": prefill_chunk_tokens,
                         "debug": debug}
-        self.device = torch.device(device)
+        check_pool_options(block_size, num_blocks)
+        self.device = parse_device(device)
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = parse_dtype(kv_dtype, KV_DTYPES, "kv_dtype") if kv_dtype is not None else self.dtype
         self.backend = make_backend(attention, self.device, self.dtype, self.config.head_dim, self.kv_dtype)
@@ -94,8 +122,6 @@ class Engine:
         if prefill_chunk_tokens is not None and prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens or self._default_prefill_chunk_tokens()
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
         if num_blocks is None:
             num_blocks = self._default_num_blocks(block_size)
         self.pool = KVPool(num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
@@ -156,6 +182,8 @@ class Engine:
         """
         from transformers import AutoTokenizer
 
+        check_pool_options(options.get("block_size", 16), options.get("num_blocks"))  # before the weights load
+        device = parse_device(device)
         folder = Path(path).expanduser()
         config, _ = read_config(folder)
         try:
@@ -163,7 +191,7 @@ class Engine:
         except (OSError, ValueError) as error:
             raise CheckpointError(f"cannot load a tokenizer from {str(folder)!r} ({error}); "
                                   f"the folder needs tokenizer.json and tokenizer_config.json.") from error
-        model = load_model(folder, config, torch.device(device), parse_dtype(dtype))
+        model = load_model(folder, config, device, parse_dtype(dtype))
         engine = cls(model, tokenizer, device=device, **options)
         engine.source = {"checkpoint": str(folder.resolve())}
         return engine
@@ -173,7 +201,9 @@ class Engine:
                     weight_seed: int = 0, **options: Any) -> Engine:
         """Random weights for an HF config dict, built in memory; token ids only (no tokenizer)."""
         config = ModelConfig.from_hf(hf_config)
-        model = random_model(config, torch.device(device), parse_dtype(dtype), weight_seed)
+        check_pool_options(options.get("block_size", 16), options.get("num_blocks"))
+        device = parse_device(device)
+        model = random_model(config, device, parse_dtype(dtype), weight_seed)
         engine = cls(model, None, device=device, **options)
         engine.source = {"hf_config": dict(hf_config), "weight_seed": weight_seed}
         return engine
@@ -198,12 +228,20 @@ class Engine:
             add_special = at_start and not (bos and content.startswith(bos))
             return self.tokenizer.encode(content, add_special_tokens=add_special)
         if isinstance(content, torch.Tensor):
+            if content.dim() > 1 and content.shape[0] != 1:   # a batch: one branch takes one sequence
+                raise ValueError(f"a tensor of token ids must hold one sequence ([T] or [1, T]); got shape "
+                                 f"{tuple(content.shape)}. Give each row to its own branch.")
             content = content.flatten().tolist()
+        if isinstance(content, (bytes, bytearray)) or not isinstance(content, Iterable):
+            raise TypeError(f"content must be text (a str) or a sequence of token ids, got "
+                            f"{type(content).__name__}" + (" (decode bytes to a str first)."
+                                                         if isinstance(content, (bytes, bytearray)) else "."))
         tokens = list(content)
-        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+               or not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is not an int in [0, {self.config.vocab_size}) (the vocabulary).")
-        return tokens
+        return [int(t) for t in tokens]
 
     def encode(self, content: TokensLike, *, at_start: bool = False) -> list[int]:
         """Token ids for text (with the tokenizer's BOS when at_start) or checked ids; changes nothing."""
@@ -228,6 +266,8 @@ class Engine:
     def new_branch(self, name: str, prompt: TokensLike | None = None, *, seed: int | None = None) -> Branch:
         """A new branch from the empty root, prefilled with `prompt` (text gets the tokenizer's BOS)."""
         self.branch_tree.check_new_names([name])
+        if seed is not None:
+            check_seed(seed)
         tokens = self._tokens(prompt, at_start=True) if prompt is not None else []
         self._check_context(name, 0, len(tokens))
         branch = self.branch_tree.add_branch(name, seed=derive_seed(self.seed, name) if seed is None else seed)
@@ -247,7 +287,10 @@ class Engine:
     def append_many(self, items: Iterable[tuple[BranchRef, TokensLike]]) -> list[Branch]:
         """Prefill several branches together, in shared forwards; all or nothing."""
         pairs = []
-        for ref, content in items:
+        for item in items if not isinstance(items, (str, Branch)) else [items]:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"append_many takes (branch, content) pairs, got {item!r}.")
+            ref, content = item
             branch = self.branch_tree.resolve(ref)
             pairs.append((branch, self._tokens(content, at_start=len(branch) == 0)))
         self._check_unique([b for b, _ in pairs])
@@ -293,8 +336,8 @@ class Engine:
         """New branches at the same node: O(1) in context length; no KV block is touched."""
         parent = self.branch_tree.resolve(branch)
         if names is None:
-            if not isinstance(n, int) or n <= 0:
-                raise ValueError(f"fork needs n >= 1 or names=[...], got n={n!r}.")
+            if not is_count(n) or n > MAX_FORK:
+                raise ValueError(f"fork needs n >= 1 (an int, at most {MAX_FORK:,}) or names=[...], got n={n!r}.")
             names = self._child_names(parent.name, n)
         elif isinstance(names, str):
             raise TypeError(f"names must be a list of names, got the string {names!r}.")
@@ -377,7 +420,7 @@ class Engine:
         if constraint is not None and not isinstance(constraint, Constraint):
             constraint = parse_constraint(constraint)   # validated once, however many branches it goes to
         resolved = self.check_generate(branches, max_new_tokens, sampling, constraint)
-        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+        if max_batch is not None and not is_count(max_batch):
             raise ValueError(f"max_batch must be a positive int (branches per step), got {max_batch!r}.")
         if constraint is not None:
             self._attach(resolved, constraint)
@@ -498,6 +541,9 @@ class Engine:
                        constraint: dict[str, Any] | Constraint | None = None) -> list[Branch]:
         """Raise what generate would raise before its first step (bad branches, budget, room, an invalid
         constraint, a completed grammar); changes nothing."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, such as SamplingParams(temperature=0.0), got "
+                            f"{type(sampling).__name__}.")
         resolved = self._resolve_list(branches)
         if constraint is not None and not isinstance(constraint, Constraint):
             constraint = parse_constraint(constraint)   # generate passes it parsed already
@@ -507,7 +553,7 @@ class Engine:
                                       f"fork it before it completes, or remove the constraint with "
                                       f"constrain({branch.name!r}, None) to keep writing.")
         sampling = sampling if sampling is not None else SamplingParams()
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        if not is_count(max_new_tokens):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none.")
@@ -598,6 +644,8 @@ class Engine:
 
     # ---- checks (raise before anything changes) -----------------------------------------------
     def _resolve_list(self, branches: BranchRef | Sequence[BranchRef]) -> list[Branch]:
+        if not isinstance(branches, (Branch, str, Iterable)):
+            raise TypeError(f"expected a branch, a branch name, or a list of them; got {type(branches).__name__}.")
         items = [branches] if isinstance(branches, (Branch, str)) else list(branches)
         if not items:
             raise ValueError("no branches given.")

@@ -68,5 +68,5 @@ class GenerationInterrupted(KeyboardInterrupt):
 
 
 class SaveFileError(DendriteError, ValueError):
-    """A save file that cannot be restored here: missing, truncated, corrupted, or saved with another model,
-    dtype or block size. Nothing was changed."""
+    """A save file that cannot be written (a folder in its place, a path that cannot be a file) or restored here:
+    missing, truncated, corrupted, or saved with another model, dtype or block size. Nothing was changed."""

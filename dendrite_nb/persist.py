@@ -54,6 +54,10 @@ def _tensor_sha(tensor: torch.Tensor) -> str:
 
 # ---- save ----------------------------------------------------------------------------------------------
 def save(engine: Engine, path: str | Path) -> Path:
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise SaveFileError(f"{str(target)!r} is a folder; save to a file in it, such as "
+                            f"{str(target / 'session.dendrite')!r}.")
     if engine.source is None:
         raise SaveFileError("this engine was built around a model object, so a restore could not rebuild it; "
                             "save an engine made by Engine.from_pretrained or Engine.from_random.")
@@ -103,9 +107,12 @@ def save(engine: Engine, path: str | Path) -> Path:
         "tensors": {name: _tensor_sha(tensor) for name, tensor in tensors.items()},
     }
     text = json.dumps(manifest)
-    target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as error:   # a parent that is a file, a folder without write permission, ...
+        raise SaveFileError(f"cannot write {str(target)!r}: {error.strerror or error} "
+                            f"({error.filename or target.parent}); save somewhere else.") from None
     os.close(handle)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, temporary,

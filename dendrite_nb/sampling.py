@@ -10,9 +10,24 @@ advances): the generator stays the branch's whole sampling state, as saved and r
 from __future__ import annotations
 
 import hashlib
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+SEED_LIMIT = 2**64  # a branch's seed is an int in [0, SEED_LIMIT), the range a torch generator keeps as it is
+
+
+def check_seed(seed: object) -> None:
+    """Raise ValueError unless `seed` can seed a branch's generator (a bool is not a seed)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}.")
+
+
+def _number(value: object) -> bool:
+    """A real number, and not a bool (which Python counts as one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,18 +43,23 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        elif isinstance(self.stop, Iterable):
+            object.__setattr__(self, "stop", tuple(self.stop))
         problems = []
-        if not self.temperature >= 0:
-            problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not (_number(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             problems.append(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0:
-            problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            problems.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            problems.append(f"seed must be an int or None, got {self.seed!r}")   # hashed with each branch's name
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
 

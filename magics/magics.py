@@ -247,6 +247,8 @@ class DendriteMagics(Magics):
                     engine.check_growth(created, len(tokens) + args.gen)
                 if tokens:
                     engine.append(args.name, tokens)
+                if created is not None and args.gen:   # refused here, the new branch goes (a completed grammar)
+                    engine.check_generate([created], args.gen, sampling, constraint)
         except BaseException:
             if created is not None:
                 engine.prune(created)

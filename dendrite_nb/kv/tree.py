@@ -152,6 +152,9 @@ class BranchTree:
     # ---- lookup -------------------------------------------------------------------------------
     def resolve(self, branch: Branch | str) -> Branch:
         if isinstance(branch, Branch):
+            if branch._tree is not self:
+                raise UnknownBranch(f"this handle of branch {branch.name!r} belongs to another engine (one saved and "
+                                    f"restored, say); pass the name {branch.name!r} instead.")
             if self.branches.get(branch.name) is not branch:
                 raise BranchPruned(f"branch {branch.name!r} was pruned; fork a live branch or create a new one.")
             return branch
