@@ -237,11 +237,14 @@ class Engine:
                             f"{type(content).__name__}" + (" (decode bytes to a str first)."
                                                          if isinstance(content, (bytes, bytearray)) else "."))
         tokens = list(content)
-        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)
-               or not 0 <= t < self.config.vocab_size]
+        vocab = self.config.vocab_size
+        # numpy's integers are ids too (made plain ints); a bool is not, though Python makes it an int
+        foreign = [t for t in tokens if type(t) is not int]
+        bad = [t for t in foreign if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        bad += [t for t in tokens if not bad and not 0 <= t < vocab][:1]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is not an int in [0, {self.config.vocab_size}) (the vocabulary).")
-        return [int(t) for t in tokens]
+            raise ValueError(f"token id {bad[0]!r} is not an int in [0, {vocab:,}) (the vocabulary).")
+        return [int(t) for t in tokens] if foreign else tokens
 
     def encode(self, content: TokensLike, *, at_start: bool = False) -> list[int]:
         """Token ids for text (with the tokenizer's BOS when at_start) or checked ids; changes nothing."""
