@@ -71,6 +71,11 @@ def _check_json_schema(value: Any) -> dict:
             raise ConstraintError(f"json_schema is not valid JSON: {error}.") from error
     if not isinstance(value, dict):
         raise ConstraintError(f"json_schema must be a JSON object (a dict), got {type(value).__name__}.")
+    try:
+        json.dumps(value)   # what llguidance compiles, and what a save file stores
+    except (TypeError, ValueError) as error:
+        raise ConstraintError(f"json_schema must hold only JSON values (dicts, lists, strings, numbers, booleans, "
+                              f"null): {error}.") from None
     import jsonschema
 
     try:

@@ -27,6 +27,7 @@ from .kv.tree import RECOMPUTE
 from .model.config import ModelConfig
 from .model.loader import load_model, random_model, read_config
 from .model.transformer import CausalLM
+from .paths import user_path
 from .sampling import SamplingParams, check_seed, derive_seed, sample
 from .snapshot import block_snapshot, tree_snapshot
 
@@ -52,11 +53,22 @@ def parse_dtype(dtype: str | torch.dtype, choices: dict[str, torch.dtype] = DTYP
 
 
 def parse_device(device: str | torch.device) -> torch.device:
+    """The device an engine can run on: the CPU, or a CUDA GPU that this machine has."""
     try:
-        return torch.device(device)
+        parsed = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device {device!r} is not a device torch knows ({error}); use 'cpu', 'cuda' or "
                          f"'cuda:N'.") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: the engine runs on 'cpu' or 'cuda', not {parsed.type!r}.")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {device!r}: this machine has no CUDA GPU that torch can use (torch "
+                             f"{torch.__version__}); use 'cpu'.")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}.")
+    return parsed
 
 
 def is_count(value: Any) -> bool:
@@ -184,7 +196,7 @@ class Engine:
 
         check_pool_options(options.get("block_size", 16), options.get("num_blocks"))  # before the weights load
         device = parse_device(device)
-        folder = Path(path).expanduser()
+        folder = user_path(path)
         config, _ = read_config(folder)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -324,13 +336,18 @@ class Engine:
             self._attach([resolved], constraint)
         return constraint
 
-    def _attach(self, branches: list[Branch], constraint: Constraint) -> None:
-        """Put each branch at the start of the constraint's grammar: one compile, then copies."""
+    def _start_grammar(self, constraint: Constraint):
+        """A matcher at the start of the constraint's grammar (llguidance loads on first use); raises
+        ConstraintError if the grammar cannot start, which changes nothing."""
         if self._guidance is None:
             from .guidance import Guidance
 
             self._guidance = Guidance(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
-        first = self._guidance.matcher(constraint)   # raises before any branch changes
+        return self._guidance.matcher(constraint)
+
+    def _attach(self, branches: list[Branch], constraint: Constraint) -> None:
+        """Put each branch at the start of the constraint's grammar: one compile, then copies."""
+        first = self._start_grammar(constraint)   # raises before any branch changes
         for index, branch in enumerate(branches):
             branch.constraint, branch.matcher = constraint, first if index == 0 else first.deep_copy()
             branch.constraint_from = len(branch)
@@ -550,6 +567,8 @@ class Engine:
         resolved = self._resolve_list(branches)
         if constraint is not None and not isinstance(constraint, Constraint):
             constraint = parse_constraint(constraint)   # generate passes it parsed already
+        if constraint is not None:
+            self._start_grammar(constraint)   # some grammars fail only when started; generate reuses this start
         for branch in resolved:
             if constraint is None and branch.matcher is not None and branch.matcher.is_stopped():
                 raise ConstraintError(f"branch {branch.name!r} has completed its {branch.constraint.describe()}; "
@@ -593,6 +612,8 @@ class Engine:
         """Raise ContextOverflow or OutOfBlocks if `branch` cannot grow by num_tokens right now.
         Lets a caller that will append and then generate refuse before it changes anything."""
         resolved = self.branch_tree.resolve(branch)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}.")
         self._check_context(resolved.name, len(resolved), num_tokens)
         self._check_blocks([(resolved, num_tokens)], f"growing branch {resolved.name!r} by {num_tokens:,} tokens")
 

@@ -34,6 +34,21 @@ def grammar_text(constraint: Constraint) -> str:
     return llguidance.grammar_from(LLGUIDANCE_FORMAT[constraint.kind], source)
 
 
+def first_token_error(matcher) -> str | None:
+    """The error a matcher hits on its first token, tried on a copy with the first token its mask allows, or None.
+    Some grammars compile and fail only when their lexer first runs (a regex a{1000000}: "too many expressions
+    constructed"); found here, they are refused before any branch is touched, not after a step."""
+    words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+    allowed = words.nonzero()
+    if len(allowed) == 0:   # nothing allowed at the start: generate refuses such a grammar as complete
+        return None
+    word = int(allowed[0])
+    bits = int(words[word]) & 0xFFFF_FFFF
+    probe = matcher.deep_copy()
+    probe.consume_token(word * 32 + (bits & -bits).bit_length() - 1)   # the lowest allowed token
+    return probe.get_error() if probe.is_error() else None
+
+
 class Guidance:
     """The engine's llguidance state: built on first use, so unconstrained engines never load it."""
 
@@ -47,15 +62,22 @@ class Guidance:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
         self.executor = llguidance.LLExecutor(max(1, min(8, (os.cpu_count() or 2) - 1)))
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dendrite-mask")
+        # The last grammar started, untouched: check_generate starts a call's grammar and its generate attaches
+        # copies of the same, so the grammar compiles (and is probed) once a call.
+        self._started: tuple[str, object] | None = None
 
     def matcher(self, constraint: Constraint):
-        """A fresh matcher at the start of the constraint's grammar."""
+        """A fresh matcher at the start of the constraint's grammar; ConstraintError if it cannot start."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(constraint))
-        if matcher.is_error():
-            raise ConstraintError(f"llguidance cannot start this {constraint.kind}: {matcher.get_error()}")
-        return matcher
+        text = grammar_text(constraint)
+        if self._started is None or self._started[0] != text:
+            matcher = llguidance.LLMatcher(self.tokenizer, text)
+            error = matcher.get_error() if matcher.is_error() else first_token_error(matcher)
+            if error:
+                raise ConstraintError(f"llguidance cannot start this {constraint.kind}: {error}")
+            self._started = (text, matcher)
+        return self._started[1].deep_copy()
 
     def fill(self, matchers: list) -> torch.Tensor:
         """The allowed-token bitmask of each matcher, [len(matchers), ceil(vocab / 32)] int32 on the CPU."""

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from .errors import SaveFileError
 from .kv.tree import RECOMPUTE, Branch, Node
+from .paths import user_path
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -54,7 +55,7 @@ def _tensor_sha(tensor: torch.Tensor) -> str:
 
 # ---- save ----------------------------------------------------------------------------------------------
 def save(engine: Engine, path: str | Path) -> Path:
-    target = Path(path).expanduser()
+    target = user_path(path)
     if target.is_dir():
         raise SaveFileError(f"{str(target)!r} is a folder; save to a file in it, such as "
                             f"{str(target / 'session.dendrite')!r}.")
@@ -133,7 +134,7 @@ def _jsonable(value: Any) -> Any:
 # ---- restore -------------------------------------------------------------------------------------------
 def read(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The manifest and tensors of a save file, every checksum verified. Raises SaveFileError."""
-    source = Path(path).expanduser()
+    source = user_path(path)
     if not source.is_file():
         raise SaveFileError(f"no save file at {str(source)!r}.")
     try:

@@ -46,7 +46,7 @@ class SamplingParams:
         elif isinstance(self.stop, Iterable):
             object.__setattr__(self, "stop", tuple(self.stop))
         problems = []
-        if not (_number(self.temperature) and self.temperature >= 0):
+        if not (_number(self.temperature) and 0 <= self.temperature < float("inf")):
             problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             problems.append(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")

@@ -1,18 +1,10 @@
 """Bad input of the wrong type or shape: each call gets a clear, typed error that names the argument and what it
 takes, and changes nothing (tree, block table, free blocks). Found by an audit of the public API; before it, these
 calls raised Python's or torch's own errors from deep inside, failed later, or were taken silently."""
-import re
-
 import pytest
 import torch
-from IPython import get_ipython
-from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
-from IPython.utils.capture import capture_output
 
-from dendrite_nb import (Constraint, ConstraintError, Engine, SamplingParams, SaveFileError,
-                         UnknownBranch)
-from dendrite_nb.magics import current_session
+from dendrite_nb import Constraint, ConstraintError, Engine, SamplingParams, SaveFileError, UnknownBranch
 
 from conftest import engine_state
 
@@ -102,6 +94,20 @@ def test_token_ids_are_ints_numpy_ints_included_and_bools_not(populated):
     assert engine.encode(np.array(ids)) == ids and all(type(t) is int for t in engine.encode(np.array(ids)))
 
 
+def test_check_growth_takes_a_count_of_tokens(populated):
+    """check_growth(b, -5) was accepted silently (a negative growth always fits)."""
+    engine, a, _ = populated
+    refused(engine, lambda: engine.check_growth(a, -5), ValueError, "num_tokens")
+
+
+@pytest.mark.parametrize("call", ["restore", "save"])
+def test_a_path_that_is_not_a_path_says_so(populated, call):
+    """Engine.restore(None) and save(None) name what a path is, not pathlib's TypeError about os.fspath."""
+    engine, _, _ = populated
+    calls = {"restore": lambda: Engine.restore(None), "save": lambda: engine.save(None)}
+    refused(engine, calls[call], TypeError, "a path")
+
+
 def test_generate_with_sampling_that_is_not_sampling_params(populated):
     """A dict is not a SamplingParams (it failed with "'dict' object has no attribute 'stop'")."""
     engine, _, kids = populated
@@ -172,61 +178,3 @@ def test_pool_sizes_are_checked_before_torch_allocates(checkpoint, options, name
     """Refused by name before the weights load, not by torch's zeros() when the pool is allocated."""
     with pytest.raises((ValueError, TypeError), match=name):
         Engine.from_pretrained(checkpoint(), **options)
-
-
-# ---- magics -------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def shell():
-    ip = start_ipython() or get_ipython()
-    ip.run_line_magic("load_ext", "dendrite_nb")
-    return ip
-
-
-@pytest.fixture
-def ip(shell, checkpoint):
-    session = current_session()
-    if session.engine is not None:
-        session.close_views()
-        session.engine.close()
-    session.engine = None
-    session.install(Engine.from_pretrained(checkpoint(), num_blocks=48, block_size=4, debug=True), "test", False)
-    shell.run_cell_magic("branch", "root", "The river is wide and cold. First idea:\n")
-    return shell
-
-
-def magic(ip, line, cell=None):
-    name, _, rest = line.partition(" ")
-    with capture_output():
-        return ip.run_cell_magic(name, rest, cell) if cell is not None else ip.run_line_magic(name, rest)
-
-
-def test_branch_from_a_completed_grammar_with_gen_leaves_no_branch_behind(ip):
-    """`%%branch kid --from root --gen 4` on a root whose grammar is complete is refused, and 'kid' (forked before
-    the generation's checks) is gone again."""
-    engine = current_session().engine
-    engine.constrain("root", {"choices": ["yes"]})
-    engine.generate(["root"], 8, SamplingParams(temperature=0.0))
-    assert engine.branch("root").matcher.is_stopped()
-    before = engine_state(engine)
-    with pytest.raises(UsageError, match="completed"):
-        magic(ip, "branch kid --from root --gen 4 -t 0", "\n")
-    assert "kid" not in engine.branches
-    assert engine_state(engine) == before
-    engine.audit()
-
-
-def test_dendrite_save_to_a_directory_is_a_usage_error(ip, tmp_path):
-    """A one-line UsageError naming the folder, not an IsADirectoryError traceback."""
-    engine = current_session().engine
-    before = engine_state(engine)
-    with pytest.raises(UsageError, match=re.escape(str(tmp_path))):
-        magic(ip, f"dendrite save {tmp_path}")
-    assert engine_state(engine) == before
-
-
-def test_dendrite_load_with_an_unknown_device_is_a_usage_error(ip, checkpoint):
-    """A one-line UsageError, not torch.device's RuntimeError traceback; the engine in use stays."""
-    engine = current_session().engine
-    with pytest.raises(UsageError, match="bogus"):
-        magic(ip, f"dendrite load {checkpoint()} --device bogus --replace")
-    assert current_session().engine is engine and not engine.closed

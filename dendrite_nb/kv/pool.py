@@ -30,12 +30,18 @@ class KVPool:
         # One block past the allocator's: a sink where padding rows of a captured CUDA graph write their KV.
         storage = num_blocks + 1
         self.sink_slot = num_blocks * block_size
-        self.kv = torch.zeros(num_layers, 2, storage, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.scales = None
-        if dtype == FP8_DTYPE:
-            self.scales = torch.zeros(num_layers, 2, storage, block_size, num_kv_heads, device=device)
         self.bytes_per_block = self.block_bytes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                                 block_size=block_size, dtype=dtype)
+        try:
+            self.kv = torch.zeros(num_layers, 2, storage, block_size, num_kv_heads, head_dim, dtype=dtype,
+                                  device=device)
+            self.scales = None
+            if dtype == FP8_DTYPE:
+                self.scales = torch.zeros(num_layers, 2, storage, block_size, num_kv_heads, device=device)
+        except (torch.OutOfMemoryError, RuntimeError) as error:   # CPU allocators raise RuntimeError
+            raise ValueError(f"num_blocks={num_blocks:,} needs {num_blocks * self.bytes_per_block / 2**30:,.1f} GiB "
+                             f"of {device} memory for the KV pool, which cannot be allocated "
+                             f"({str(error).splitlines()[0][:120]}); ask for fewer blocks.") from None
         self.allocator = BlockAllocator(
             num_blocks,
             on_allocate=self._check_canaries if canaries else None,
