@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.utils.process import arg_split
 
 from dendrite_nb import Constraint, DendriteError, Engine, GenerationInterrupted, SamplingParams
 from dendrite_nb.kv import Branch
+from dendrite_nb.paths import user_path
 
 from .cell_options import read_cell_options, split_inline_options
 from .live import LiveGeneration
@@ -37,6 +38,16 @@ def user_errors() -> Iterator[None]:
         raise UsageError(str(error)) from None
 
 
+def parse_arguments(magic_func, line: str):
+    """The magic's arguments split as a shell would: quotes group a value and are not part of it (`--stop "."`
+    stops at a period; a quoted path may hold spaces). IPython's own parse_argstring keeps the quotes."""
+    try:
+        argv = arg_split(line, posix=True)
+    except ValueError as error:   # an unclosed quote
+        raise UsageError(f"cannot read the arguments {line!r}: {error}; close the quote.") from None
+    return magic_func.parser.parse_args(argv)
+
+
 def sampling_arguments(func):
     for decorator in reversed([
         argument("--temperature", "-t", type=float, default=1.0, help="softmax temperature; 0 is greedy (default 1.0)"),
@@ -49,6 +60,16 @@ def sampling_arguments(func):
     ]):
         func = decorator(func)
     return func
+
+
+# What sampling_arguments adds to a magic's arguments, by destination.
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "ignore_eos")
+
+
+def sampling_options_set(magic_func, args) -> list[str]:
+    """The sampling options the line set (those away from their defaults), as the user spells them."""
+    return [f"--{dest.replace('_', '-')}" for dest in SAMPLING_OPTIONS
+            if getattr(args, dest) != magic_func.parser.get_default(dest)]
 
 
 def sampling_from(args) -> SamplingParams:
@@ -130,7 +151,7 @@ class DendriteMagics(Magics):
         return getattr(self, f"_dendrite_{words[0]}")(rest)
 
     def _dendrite_load(self, rest: str) -> Loaded:
-        args = parse_argstring(_load_arguments, rest)
+        args = parse_arguments(_load_arguments, rest)
         self.session.check_can_load(args.replace)
         options = {k: v for k, v in (("kv_dtype", args.kv_dtype), ("num_blocks", args.num_blocks)) if v is not None}
         options["attention"] = args.attention
@@ -142,14 +163,14 @@ class DendriteMagics(Magics):
     def _dendrite_demo(self, rest: str) -> Loaded:
         from dendrite_nb.testing import demo_checkpoint
 
-        args = parse_argstring(_demo_arguments, rest)
+        args = parse_arguments(_demo_arguments, rest)
         self.session.check_can_load(args.replace)
         with user_errors():
             engine = Engine.from_pretrained(demo_checkpoint(), device=args.device, num_blocks=args.num_blocks)
         return self._install(engine, "demo (embedded tiny Llama, random weights)", args.replace)
 
     def _dendrite_save(self, rest: str) -> Saved:
-        args = parse_argstring(_save_arguments, rest)
+        args = parse_arguments(_save_arguments, rest)
         engine = self.session.require_engine()
         with user_errors():
             path = engine.save(args.path)
@@ -157,9 +178,9 @@ class DendriteMagics(Magics):
         return Saved(str(path), len(engine.branches), used, path.stat().st_size / 2**20)
 
     def _dendrite_restore(self, rest: str) -> Loaded:
-        args = parse_argstring(_restore_arguments, rest)
+        args = parse_arguments(_restore_arguments, rest)
         self.session.check_can_load(args.replace)
-        overrides = {"device": args.device} | ({"num_blocks": args.num_blocks} if args.num_blocks else {})
+        overrides = {"device": args.device} | ({"num_blocks": args.num_blocks} if args.num_blocks is not None else {})
         with user_errors():
             engine = Engine.restore(args.path, **overrides)
         return self._install(engine, f"restored {args.path}", args.replace)
@@ -168,10 +189,14 @@ class DendriteMagics(Magics):
         if rest.strip() == "off":
             self.session.autosave = None
             return AutosaveSet(None, 0)
-        args = parse_argstring(_autosave_arguments, rest)
+        args = parse_arguments(_autosave_arguments, rest)
         if args.every < 1:
             raise UsageError(f"--every takes a count of cells >= 1, got {args.every}.")
-        path = Path(args.path).expanduser()
+        with user_errors():
+            path = user_path(args.path)
+        if path.is_dir():
+            raise UsageError(f"cannot autosave to {str(path)!r}: it is a folder; give a file in it, such as "
+                             f"{str(path / 'session.dendrite')!r}.")
         if not path.parent.is_dir():
             raise UsageError(f"cannot autosave to {str(path)!r}: its folder does not exist.")
         self.session.autosave = Autosave(path, args.every)
@@ -215,11 +240,14 @@ class DendriteMagics(Magics):
           %%branch root
           and one more thing.
         """
-        args = parse_argstring(self.branch, line)
+        args = parse_arguments(self.branch, line)
         engine = self.session.require_engine()
         inline, body = split_inline_options(cell_text(cell))
         if args.gen < 0:
             raise UsageError(f"--gen takes a number of tokens >= 0, got {args.gen}.")
+        ignored = sampling_options_set(self.branch, args) if not args.gen else []
+        if ignored:
+            raise UsageError(f"{', '.join(ignored)} only apply when the cell generates; add --gen N, or drop them.")
         sampling = sampling_from(args)
         constraint = self._cell_constraint(inline, generating=args.gen > 0)
         with user_errors():
@@ -276,7 +304,7 @@ class DendriteMagics(Magics):
           kids = %fork root -n 3
           for name in kids: print(name)
         """
-        args = parse_argstring(self.fork, line)
+        args = parse_arguments(self.fork, line)
         engine = self.session.require_engine()
         if bool(args.children) == (args.n is not None):
             raise UsageError("give the children's names (%fork PARENT A B) or a count (%fork PARENT --n K), not both.")
@@ -315,7 +343,7 @@ class DendriteMagics(Magics):
           %gen mcts/* -n 16 --max-batch 8          # 8 branches per step, highest priority first
           %gen plan/2 -n 16 --priority 5           # set a priority (forks inherit it), then generate
         """
-        args = parse_argstring(self.gen, line)
+        args = parse_arguments(self.gen, line)
         self.session.require_engine()
         if args.max_tokens < 1:
             raise UsageError(f"--max-tokens takes a count >= 1, got {args.max_tokens}.")
@@ -372,7 +400,7 @@ class DendriteMagics(Magics):
           %prune plan/1 plan/2
           %prune plan/*
         """
-        args = parse_argstring(self.prune, line)
+        args = parse_arguments(self.prune, line)
         engine = self.session.require_engine()
         branches = self.session.select(args.branches)
         with user_errors():
@@ -391,7 +419,7 @@ class DendriteMagics(Magics):
           %show plan/0
           text = (%show plan/0).text
         """
-        args = parse_argstring(self.show, line)
+        args = parse_arguments(self.show, line)
         engine = self.session.require_engine()
         with user_errors():
             branch = engine.branch(args.branch)

@@ -25,12 +25,13 @@ def shell():
 
 @pytest.fixture
 def ip(shell, checkpoint):
-    """The shell with a fresh small engine on the tiny test checkpoint, and a prompt in branch 'root'."""
+    """The shell with a fresh small engine on the tiny test checkpoint, a prompt in branch 'root', no autosave."""
     session = current_session()
     if session.engine is not None:
         session.close_views()
         session.engine.close()
     session.engine = None
+    session.autosave = None
     session.install(Engine.from_pretrained(checkpoint(), num_blocks=48, block_size=4, debug=True), "test", False)
     shell.run_cell_magic("branch", "root", PROMPT + "\n")
     shell.user_ns.pop("my_schema", None)
