@@ -17,6 +17,10 @@ from dataclasses import dataclass
 import torch
 
 SEED_LIMIT = 2**64  # a branch's seed is an int in [0, SEED_LIMIT), the range a torch generator keeps as it is
+# Below this temperature a draw is the argmax: float32 logits 1e-6 apart (the finest gap near 10) are 1e14 apart
+# once divided by it, so no other token keeps any probability; dividing by still smaller temperatures overflows
+# float32 to inf and the softmax to NaN. So those temperatures sample greedily (ties go to the lowest id).
+GREEDY_BELOW_TEMPERATURE = 1e-20
 
 
 def check_seed(seed: object) -> None:
@@ -52,8 +56,8 @@ class SamplingParams:
             problems.append(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not (_number(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
-            problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not (_number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf")):
+            problems.append(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             problems.append(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -65,7 +69,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def derive_seed(base: int, name: str) -> int:
@@ -75,11 +79,17 @@ def derive_seed(base: int, name: str) -> int:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, histories: list[list[int]], penalty: float) -> torch.Tensor:
-    """Divide positive logits and multiply negative ones of tokens already in each row's history."""
+    """Divide positive logits and multiply negative ones of tokens already in each row's history.
+
+    An extreme penalty (1e-30, 1e30) would overflow float32 to +-inf, and a row of infinities softmaxes to NaN:
+    results are clamped to the dtype's finite range. A -inf logit (a constraint's refusal) stays -inf."""
+    finfo = torch.finfo(logits.dtype)
+    penalty = min(max(penalty, finfo.tiny), finfo.max)  # in float32 1e-300 would round to 0, and 0 / 0 is NaN
     for row, history in enumerate(histories):
         seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
         scores = logits[row, seen]
-        logits[row, seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+        penalized = torch.where(scores > 0, scores / penalty, scores * penalty).clamp(finfo.min, finfo.max)
+        logits[row, seen] = torch.where(scores == float("-inf"), scores, penalized)
     return logits
 
 

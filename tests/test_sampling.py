@@ -67,6 +67,28 @@ def test_repetition_penalty_matches_transformers():
     assert torch.equal(ours, theirs)
 
 
+def test_extreme_temperatures_and_penalties_never_sample_nan():
+    """A temperature of 1e-45 or a penalty of 1e-30 overflowed float32 to inf, and the softmax to NaN, whose
+    argmax is whatever token NaN landed on. Tiny temperatures now draw the argmax; extreme penalties saturate."""
+    logits = torch.tensor([[0.0, 3.0, -2.0, 1.0, 2.5, float("-inf")]])
+    generator = torch.Generator().manual_seed(0)
+    for temperature in (1e-45, 1e-30, 1e-21):
+        params = SamplingParams(temperature=temperature)
+        assert params.greedy
+        assert [int(sample(logits, params, [generator])) for _ in range(20)] == [1] * 20
+    assert not SamplingParams(temperature=1e-20).greedy
+    for penalty in (1e-300, 1e-30, 1e30, 1e300):
+        penalized = apply_repetition_penalty(logits.clone(), [[0, 1, 2, 5]], penalty)
+        assert not penalized.isnan().any() and penalized[0, 5] == float("-inf")
+        assert penalized[0, :5].isfinite().all()
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(temperature=temperature, repetition_penalty=penalty)
+            token = int(sample(logits, params, [generator], [[0, 1, 2, 5]]))
+            assert token == (1 if penalty < 1 else 4) or temperature > 0 and token in range(5)
+    with pytest.raises(ValueError, match="repetition_penalty must be finite"):
+        SamplingParams(repetition_penalty=float("inf"))
+
+
 def test_repetition_penalty_changes_greedy_choice(eng):
     plain = greedy_run(eng, "plain", 24)
     branch = eng.new_branch("penalised", PROMPT)
