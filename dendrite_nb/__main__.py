@@ -16,8 +16,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.branches < 1 or args.tokens < 1:
         parser.error("--branches and --tokens must be at least 1")
     from .demo import run_demo
+    from .errors import DendriteError
 
-    run_demo(args.device, args.branches, args.tokens, args.checkpoint)
+    try:
+        run_demo(args.device, args.branches, args.tokens, args.checkpoint)
+    except (DendriteError, ValueError) as error:   # a refusal of this request (a bad device, folder, cache)
+        parser.exit(2, f"dendrite-nb demo: {error}\n")
 
 
 if __name__ == "__main__":

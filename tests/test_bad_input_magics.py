@@ -190,3 +190,12 @@ def test_dendrite_load_with_an_unknown_device_is_a_usage_error(ip, checkpoint):
     with pytest.raises(UsageError, match="bogus"):
         magic(ip, f"dendrite load {checkpoint()} --device bogus --replace")
     assert current_session().engine is engine and not engine.closed
+
+
+def test_demo_with_a_cache_that_is_a_file_is_a_usage_error(ip, tmp_path, monkeypatch):
+    """`%dendrite demo --replace` with DENDRITE_NB_CACHE naming a file: a UsageError naming the variable, not a
+    FileExistsError traceback; the engine in use stays."""
+    cache = tmp_path / "cache"
+    cache.write_text("")
+    monkeypatch.setenv("DENDRITE_NB_CACHE", str(cache))
+    refused(ip, "dendrite demo --replace", "DENDRITE_NB_CACHE.*not a folder")

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel, Qwen3ForCausalLM
 
+from dendrite_nb.errors import CheckpointError
+from dendrite_nb.paths import user_path
 from dendrite_nb.testing.shapes import TINY_SHAPES, make_config
 from dendrite_nb.testing.tokenizer import write_bpe_tokenizer
 
@@ -110,7 +112,7 @@ def _no_progress_bars():
 
 def _default_cache_dir() -> Path:
     env = os.environ.get("DENDRITE_NB_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "dendrite_nb"
+    return user_path(env) if env else Path.home() / ".cache" / "dendrite_nb"
 
 
 def _is_complete(folder: Path) -> bool:
@@ -124,13 +126,22 @@ def demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
     crashed or concurrent writer therefore never leaves a half-written folder that a
     later call would trust.
     """
-    cache = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    cache = user_path(cache_dir) if cache_dir is not None else _default_cache_dir()
     target = cache / _DEMO_NAME
     if _is_complete(target):
         return target
 
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{_DEMO_NAME}-", dir=cache))
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{_DEMO_NAME}-", dir=cache))
+    except OSError as error:   # the cache (or a parent) is a file, or a folder we may not write
+        if cache_dir is not None:
+            named, fix = "cache_dir", "pass a folder you can write"
+        else:
+            named = "$DENDRITE_NB_CACHE" if os.environ.get("DENDRITE_NB_CACHE") else "the default cache"
+            fix = "set DENDRITE_NB_CACHE to a folder you can write"
+        why = "it is a file, not a folder" if cache.is_file() else f"{error.strerror or error} ({error.filename})"
+        raise CheckpointError(f"cannot build the demo model in {str(cache)!r} ({named}): {why}; {fix}.") from None
     try:
         write_tiny_checkpoint(staging, "llama-gqa-untied", **_DEMO_OVERRIDES)
         if target.exists() and not _is_complete(target):
