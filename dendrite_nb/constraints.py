@@ -63,14 +63,43 @@ def parse_constraint(spec: Mapping[str, Any] | None) -> Constraint | None:
     return constraint
 
 
+# Nested dicts and lists a json_schema may hold. jsonschema's own check recurses about 8 Python frames per level
+# of a schema, so about 200 levels exhaust Python's stack: a RecursionError traceback, not a message. Real
+# schemas nest a few levels; 100 containers is 50 levels of "properties".
+MAX_JSON_SCHEMA_DEPTH = 100
+
+
+def _nests_too_deep(value: Any) -> bool:
+    """Whether dicts and lists nest more than MAX_JSON_SCHEMA_DEPTH deep in `value` (a dict that holds itself
+    does), walked without recursion and given up at the limit."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            if depth > MAX_JSON_SCHEMA_DEPTH:
+                return True
+            pending.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _too_deep() -> ConstraintError:
+    return ConstraintError(f"json_schema nests more than {MAX_JSON_SCHEMA_DEPTH} levels of objects and arrays (or "
+                           f"holds itself); flatten it, or give it as a grammar.")
+
+
 def _check_json_schema(value: Any) -> dict:
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as error:
             raise ConstraintError(f"json_schema is not valid JSON: {error}.") from error
+        except RecursionError:
+            raise _too_deep() from None
     if not isinstance(value, dict):
         raise ConstraintError(f"json_schema must be a JSON object (a dict), got {type(value).__name__}.")
+    if _nests_too_deep(value):
+        raise _too_deep()
     try:
         json.dumps(value)   # what llguidance compiles, and what a save file stores
     except (TypeError, ValueError) as error:

@@ -146,6 +146,27 @@ def test_a_hand_made_constraint_of_unknown_kind_is_a_constraint_error(populated)
     refused(engine, lambda: engine.constrain(kids[0], Constraint("bogus", "x")), ConstraintError, "bogus")
 
 
+@pytest.mark.parametrize("how", ["3,000 levels", "as a string", "holds itself"])
+def test_a_json_schema_nested_past_the_limit_is_a_constraint_error(populated, how):
+    """A schema nested 3,000 levels deep was a RecursionError traceback out of json or jsonschema; one that held
+    itself would have walked forever. Both are ConstraintErrors, and 49 levels of properties still compile."""
+    engine, _, kids = populated
+    schema = {"type": "string"}
+    for _ in range(3000 if how != "holds itself" else 0):
+        schema = {"type": "object", "properties": {"a": schema}}
+    if how == "holds itself":
+        schema["items"] = schema
+    levels = '{"type": "object", "properties": {"a": '
+    spec = levels * 3000 + '{"type": "string"}' + "}}" * 3000 if how == "as a string" else schema
+    refused(engine, lambda: engine.constrain(kids[0], {"json_schema": spec}), ConstraintError, "nests more than")
+    refused(engine, lambda: engine.generate(kids, 2, constraint={"json_schema": spec}), ConstraintError, "nests")
+    deep_enough = {"type": "string"}
+    for _ in range(49):
+        deep_enough = {"type": "object", "properties": {"a": deep_enough}}
+    engine.constrain(kids[0], {"json_schema": deep_enough})
+    assert engine.branch(kids[0]).constraint.kind == "json_schema"
+
+
 def test_a_handle_from_another_engine_is_not_reported_as_pruned(populated, tmp_path):
     """A handle of the saved engine used on the restored one: not "branch 'a/0' was pruned" about a live branch."""
     engine, _, kids = populated
