@@ -129,7 +129,7 @@ class DendriteMagics(Magics):
           --replace     close the loaded engine (freeing its memory and its branches) and load this one
           status        the engine, its KV pool and its branches
           save FILE     write the whole session (tree, branches, sampling state, constraints, KV) to FILE,
-                        atomically; it survives a kernel restart
+                        atomically (missing folders are made); it survives a kernel restart
           restore FILE  load the model the session was saved with and the session itself; decoding goes on
                         exactly where it stopped (a damaged or mismatched file is refused, nothing changes)
           autosave FILE save the session to FILE after every N-th cell that generates (default every 1)
@@ -197,8 +197,9 @@ class DendriteMagics(Magics):
         if path.is_dir():
             raise UsageError(f"cannot autosave to {str(path)!r}: it is a folder; give a file in it, such as "
                              f"{str(path / 'session.dendrite')!r}.")
-        if not path.parent.is_dir():
-            raise UsageError(f"cannot autosave to {str(path)!r}: its folder does not exist.")
+        existing = next(folder for folder in path.parents if folder.exists())   # missing folders: made, as save does
+        if not existing.is_dir():
+            raise UsageError(f"cannot autosave to {str(path)!r}: {str(existing)!r} is a file, not a folder.")
         self.session.autosave = Autosave(path, args.every)
         return AutosaveSet(str(path), args.every)
 
@@ -499,7 +500,7 @@ def _save_arguments(line: str) -> None:
 
 
 @magic_arguments()
-@argument("path", help="the file each autosave replaces (atomically)")
+@argument("path", help="the file each autosave replaces (atomically; missing folders are made)")
 @argument("--every", type=int, default=1, help="save after every N-th generating cell (default 1)")
 def _autosave_arguments(line: str) -> None:
     """%dendrite autosave"""

@@ -160,6 +160,18 @@ def test_autosave_to_a_folder_is_refused(ip, tmp_path):
     assert current_session().autosave is None
 
 
+def test_autosave_makes_missing_folders_as_save_does(ip, tmp_path):
+    """`%dendrite autosave new/folder/s.dendrite` is taken, and its first save makes the folders, as
+    `%dendrite save` does (it used to be refused while save went ahead)."""
+    target = tmp_path / "new" / "folder" / "s.dendrite"
+    magic(ip, f"dendrite autosave {target}")
+    assert not target.parent.exists()
+    ip.run_cell("%gen root -n 1 --ignore-eos")
+    assert target.is_file()
+    magic(ip, f"dendrite save {tmp_path / 'other' / 's.dendrite'}")
+    assert (tmp_path / "other" / "s.dendrite").is_file()
+
+
 def test_branch_from_a_completed_grammar_with_gen_leaves_no_branch_behind(ip):
     """`%%branch kid --from root --gen 4` on a root whose grammar is complete is refused, and 'kid' (forked before
     the generation's checks) is gone again."""

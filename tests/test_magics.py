@@ -380,8 +380,9 @@ def test_autosave_writes_after_every_nth_generating_cell(ip, tmp_path):
     target = tmp_path / "auto.dendrite"
     with pytest.raises(UsageError, match="--every takes a count"):
         magic(ip, f"dendrite autosave {target} --every 0")
-    with pytest.raises(UsageError, match="folder does not exist"):
-        magic(ip, f"dendrite autosave {tmp_path / 'nope' / 'x'}")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UsageError, match="afile' is a file, not a folder"):
+        magic(ip, f"dendrite autosave {tmp_path / 'afile' / 'x' / 's.dendrite'}")
     assert current_session().autosave is None
     result, _ = magic(ip, f"dendrite autosave {target} --every 2")
     assert "after every 2 cells" in repr(result)
