@@ -141,10 +141,10 @@ def test_prefill_chunks(run):
 
 
 def test_gpu_diagnostics_name_what_exists(monkeypatch):
-    """profile_step.py, tune_skinny.py, eager_products.py and probe_step_graph.py run on a GPU only, and
-    tune_tree_attention.py's real sweeps too (its smoke run is the next test); here, every function they time,
-    every attention variant they build and the captured graph's parts the probe replays must still exist, so a
-    rename breaks this test, not the GPU run."""
+    """profile_step.py, tune_skinny.py, eager_products.py, probe_step_graph.py and probe_prefix_prefill.py run on
+    a GPU only, and tune_tree_attention.py's real sweeps too (its smoke run is the next test); here, every function
+    they time, every attention variant they build and the captured graph's parts the probe replays must still
+    exist, so a rename breaks this test, not the GPU run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     pytest.importorskip("triton")
     profile_step = importlib.import_module("profile_step")
@@ -168,6 +168,8 @@ def test_gpu_diagnostics_name_what_exists(monkeypatch):
         assert callable(getattr(TritonAttention, name)), name
     with pytest.raises(SystemExit, match="GPU"):
         importlib.import_module("probe_step_graph").main(["--smoke", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="GPU"):
+        importlib.import_module("probe_prefix_prefill").main(["--smoke", "--device", "cpu"])
 
 
 def test_attention_tuner_times_each_launch_and_the_merge_alone(monkeypatch, capsys):
