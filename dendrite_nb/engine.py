@@ -263,9 +263,13 @@ class Engine:
         return self._tokens(content, at_start)
 
     def decode(self, tokens: Sequence[int]) -> str:
+        """Text of token ids (checked as append checks them: an id outside the vocabulary is refused, not
+        decoded to nothing)."""
         if self.tokenizer is None:
             raise TypeError("this engine has no tokenizer (built from random weights).")
-        return self.tokenizer.decode(list(tokens))
+        if isinstance(tokens, str):
+            raise TypeError("decode takes token ids; this is a str, which is text already.")
+        return self.tokenizer.decode(self._tokens(tokens, at_start=False))
 
     def text(self, branch: BranchRef) -> str:
         """The branch's whole text, from the root."""

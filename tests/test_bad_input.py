@@ -94,6 +94,15 @@ def test_token_ids_are_ints_numpy_ints_included_and_bools_not(populated):
     assert engine.encode(np.array(ids)) == ids and all(type(t) is int for t in engine.encode(np.array(ids)))
 
 
+@pytest.mark.parametrize("tokens, error, message", [([10**9], ValueError, "not an int in"), ([-1], ValueError, "vocabulary"),
+                                                     ("abc", TypeError, "text already"), ([1.5], ValueError, "1.5")])
+def test_decode_refuses_what_is_not_token_ids(populated, tokens, error, message):
+    """decode([10**9]) was '' and decode("abc") torch's "cannot be interpreted as an integer"."""
+    engine, _, _ = populated
+    refused(engine, lambda: engine.decode(tokens), error, message)
+    assert engine.decode(torch.tensor([[5, 6]])) == engine.decode([5, 6])
+
+
 def test_check_growth_takes_a_count_of_tokens(populated):
     """check_growth(b, -5) was accepted silently (a negative growth always fits)."""
     engine, a, _ = populated
