@@ -895,9 +895,9 @@ class Engine:
     def __repr__(self) -> str:
         if self.closed:
             return f"Engine({self.config.describe()}, closed)"
-        used = self.pool.num_blocks - self.num_free_blocks
+        used, branches = self.pool.num_blocks - self.num_free_blocks, len(self.branch_tree.branches)
         return (f"Engine({self.config.describe()}, {self.device.type} {str(self.dtype).removeprefix('torch.')}, "
-                f"{len(self.branch_tree.branches)} branches, {used:,}/{self.pool.num_blocks:,} KV blocks used)")
+                f"{branches} branch{'' if branches == 1 else 'es'}, {used:,}/{self.pool.num_blocks:,} KV blocks used)")
 
 
 class _ClosedTree:

@@ -308,7 +308,8 @@ class DendriteMagics(Magics):
         args = parse_arguments(self.fork, line)
         engine = self.session.require_engine()
         if bool(args.children) == (args.n is not None):
-            raise UsageError("give the children's names (%fork PARENT A B) or a count (%fork PARENT --n K), not both.")
+            raise UsageError("give the children's names (%fork PARENT A B) or a count (%fork PARENT --n K)"
+                             + (", not both." if args.children else "."))
         if args.n is not None and args.n < 1:
             raise UsageError(f"--n takes a count >= 1, got {args.n}.")
         for name in args.children:

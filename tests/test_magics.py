@@ -258,6 +258,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "
     ("fork root a a", None, "appears twice"),
     ("fork root --n 0", None, "--n takes a count >= 1"),
     ("fork root a --n 2", None, "not both"),
+    ("fork root", None, r"\(%fork PARENT --n K\)\.$"),
     ("fork nope a", None, "no branch named 'nope'"),
     ("fork root bad*name", None, "cannot name a branch"),
     ("prune root nope", None, "there is no branch 'nope'"),
