@@ -37,6 +37,10 @@ VARIANTS = [
     ("wide 8 warps", {"wide_launch": (8, 3)}),
     ("wide 4 stages", {"wide_launch": (4, 4)}),
     ("wide block_n 128", {"wide_launch": (8, 2), "wide_block_n": 128}),
+    # A 128 x 32 score tile holds half the registers of 128 x 64: fewer spills (36 at 64), twice the steps.
+    ("wide block_n 32", {"wide_block_n": 32}),
+    ("wide block_n 32, 4 stages", {"wide_block_n": 32, "wide_launch": (4, 4)}),
+    ("wide block_n 32, 8 warps", {"wide_block_n": 32, "wide_launch": (8, 3)}),
     ("narrow 3 stages", {"narrow_launch": (4, 3)}),
     ("no short-run launch", {"short_run_launch": (64, 4, 2)}),
     ("short runs 32", {"short_run_launch": (32, 2, 2)}),
