@@ -896,7 +896,8 @@ class Engine:
         if self.closed:
             return f"Engine({self.config.describe()}, closed)"
         used, branches = self.pool.num_blocks - self.num_free_blocks, len(self.branch_tree.branches)
-        return (f"Engine({self.config.describe()}, {self.device.type} {str(self.dtype).removeprefix('torch.')}, "
+        kv = f" (KV {str(self.kv_dtype).removeprefix('torch.')})" if self.kv_dtype != self.dtype else ""
+        return (f"Engine({self.config.describe()}, {self.device.type} {str(self.dtype).removeprefix('torch.')}{kv}, "
                 f"{branches} branch{'' if branches == 1 else 'es'}, {used:,}/{self.pool.num_blocks:,} KV blocks used)")
 
 

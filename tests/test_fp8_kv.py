@@ -83,6 +83,7 @@ def test_every_fp8_spelling_sizes_the_default_pool_with_the_scale_bytes(kv_dtype
     monkeypatch.setattr(engine_module, "CPU_KV_BUDGET_BYTES", 1 << 16)  # small enough to bind on the tiny model
     eng = Engine.from_random(CONFIG, device="cpu", kv_dtype=kv_dtype, block_size=4)
     assert eng.kv_dtype == torch.float8_e4m3fn
+    assert "cpu float32 (KV float8_e4m3fn)," in repr(eng)   # the repr says where the KV differs
     assert eng.pool.num_blocks == (1 << 16) // eng.pool.bytes_per_block
     assert eng.pool.num_blocks * eng.pool.bytes_per_block > (1 << 16) - eng.pool.bytes_per_block
 
