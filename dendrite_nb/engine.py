@@ -265,15 +265,19 @@ class Engine:
     def decode(self, tokens: Sequence[int]) -> str:
         """Text of token ids (checked as append checks them: an id outside the vocabulary is refused, not
         decoded to nothing)."""
-        if self.tokenizer is None:
-            raise TypeError("this engine has no tokenizer (built from random weights).")
         if isinstance(tokens, str):
             raise TypeError("decode takes token ids; this is a str, which is text already.")
-        return self.tokenizer.decode(self._tokens(tokens, at_start=False))
+        return self._detokenize(self._tokens(tokens, at_start=False))
+
+    def _detokenize(self, ids: list[int]) -> str:
+        """Text of ids the engine holds or drew (valid by construction): no per-id check on the step's path."""
+        if self.tokenizer is None:
+            raise TypeError("this engine has no tokenizer (built from random weights).")
+        return self.tokenizer.decode(ids)
 
     def text(self, branch: BranchRef) -> str:
         """The branch's whole text, from the root."""
-        return self.decode(self.branch_tree.resolve(branch).tokens)
+        return self._detokenize(self.branch_tree.resolve(branch).tokens)
 
     def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's chat template (from tokenizer_config.json)."""
@@ -602,7 +606,7 @@ class Engine:
         if generated[-1] in self.eos_token_ids and not sampling.ignore_eos:
             return True
         if stop_window:  # each token is at least one byte, so this window holds any stop string just completed
-            tail = self.decode(generated[-stop_window:])
+            tail = self._detokenize(generated[-stop_window:])
             return any(stop in tail for stop in sampling.stop)
         return False
 
