@@ -393,3 +393,84 @@ def test_bfloat16_triton_path_stays_within_1e_2_of_the_torch_reference():
     assert relative(fast_logits, exact_logits) < 1e-2
     assert relative(fast_logits, exact_logits) < 1.1 * relative(reference_logits, exact_logits)
     assert relative(fast_logits, reference_logits) < 1.5e-2  # the two bf16 paths' roundings, together
+
+
+def _raw_step(eng: Engine, rows: int, dtype: torch.dtype, seed: int):
+    """A decode step's raw projections as forward_fused has them: q, k, v views into one [T, qkv] product."""
+    heads, kv_heads, head_dim = eng.config.num_heads, eng.config.num_kv_heads, eng.config.head_dim
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=generator).to(eng.device, dtype)
+    norms = tuple((1 + 0.2 * torch.randn(head_dim, generator=generator)).to(eng.device, dtype) for _ in range(2))
+    return qkv, norms
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", ["qwen3-gqa-tied", "llama-gqa-untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICES == ["cuda"] else [torch.float32])
+def test_fused_decode_launch_equals_rope_append_and_attend(device, shape, dtype):
+    """A decode step of one-row runs takes two launches per layer (RoPE with the q/k norms, the KV append and
+    the attention of each tile in one: triton_decode_kernel.py; then the merge). It must write the same KV and
+    give the same output as the three launches of the general path, for rows of one tile and of many, a new
+    token at a tile's first position included, and leave the raw projections as they were."""
+    from dendrite_nb.model.rope import rope_cos_sin
+
+    eng = Engine.from_random(TINY_SHAPES[shape].hf_config(vocab_size=256), device=device, dtype=str(dtype)[6:],
+                             num_blocks=1024, block_size=4)
+    rng = random.Random(5)
+    tile = TritonAttention()._one_tile_block_n()
+    lengths = [5, tile, tile + 1, 3 * tile - 1, 90]  # a new token at position `tile` opens a tile of its own
+    leaves = [eng.new_branch(f"b{i}", [rng.randrange(200) for _ in range(n - 1)]) for i, n in enumerate(lengths)]
+    eng.append_many([(leaf, [1]) for leaf in leaves])  # reserves each leaf's new slot (position n - 1)
+    layout = decode_layout(eng.branch_tree, leaves, shared=False)
+    kv = eng.pool.layers()[0]
+    qkv, norms = _raw_step(eng, len(leaves), dtype, seed=1)
+    positions = torch.tensor(layout.positions, device=eng.device)
+    cos, sin = rope_cos_sin(eng.model.inv_freq, positions, dtype)
+    heads, kv_heads = eng.config.num_heads, eng.config.num_kv_heads
+    before = eng.pool.kv.clone()
+    results = []
+    for programs_per_sm in (1.5, 0):  # the fused launch, then the general path
+        eng.pool.kv.copy_(before)
+        backend = TritonAttention(one_tile_programs_per_sm=programs_per_sm)
+        backend.configure(heads, kv_heads)
+        plan = backend.plan(layout, 4, eng.device)
+        assert plan.one_tile == (programs_per_sm > 0)
+        step = qkv.clone()
+        q, k, v = step.split([heads, kv_heads, kv_heads], dim=1)
+        out = backend.attend_with_rope(plan, kv, q, k, v, cos, sin, norms, 1e-6).clone()
+        if plan.one_tile:
+            assert torch.equal(step, qkv)  # the fused launch rotates in registers: the projections stay raw
+        results.append((out.float(), eng.pool.kv.float()))
+    (fused, fused_kv), (general, general_kv) = results
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (fused - general).abs().max() < tolerance
+    assert (fused_kv - general_kv).abs().max() < tolerance
+    assert not torch.equal(fused_kv, before.float())  # the step's KV went in
+
+
+def test_fused_decode_launch_is_planned_for_one_row_runs_that_fit_the_gpu():
+    """Shared segments, prefills and steps of more tiles than the GPU's programs keep the general kernels; a
+    one-tile plan cuts every run into tiles of the fused launch's BLOCK_N."""
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=1024,
+                             block_size=4)
+    leaves = random_tree(eng, random.Random(2), leaves=4, depth=2)
+    backend = TritonAttention()
+    backend.configure(eng.config.num_heads, eng.config.num_kv_heads)
+    flat = decode_layout(eng.branch_tree, leaves, shared=False)
+    assert backend.host_plan(flat, 4, eng.device).one_tile
+    assert not backend.host_plan(decode_layout(eng.branch_tree, leaves, min_shared_tokens=1), 4, eng.device).one_tile
+    prefill = BatchLayout(q_lens=[3], kv_lens=[3], block_tables=[[0]])
+    assert not backend.host_plan(prefill, 4, eng.device).one_tile
+    backend.multiprocessors = 1  # as a GPU of one multiprocessor: too many tiles for its programs
+    tiles = sum(-(-kv // backend._one_tile_block_n()) for kv in flat.kv_lens)
+    assert tiles * eng.config.num_kv_heads > backend.one_tile_programs_per_sm
+    assert not backend.host_plan(flat, 4, eng.device).one_tile
+    backend.multiprocessors = tiles * eng.config.num_kv_heads  # plenty
+    host = backend.host_plan(flat, 4, eng.device)
+    assert host.one_tile and host.shape().one_tile
+    assert all(end - start <= backend._one_tile_block_n() for _, _, start, end, _, _ in host.items[16].tolist())
+    # A graph captured for the fused launch is not reused for the general one, nor the reverse.
+    general = TritonAttention(one_tile_programs_per_sm=0)
+    general.configure(eng.config.num_heads, eng.config.num_kv_heads)
+    other = general.host_plan(flat, 4, eng.device).shape()
+    assert not host.shape().padded(8).fits(other) and not other.padded(8).fits(host.shape())

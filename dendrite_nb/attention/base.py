@@ -55,9 +55,9 @@ class LayerKV(NamedTuple):
 
 
 class AttentionBackend(Protocol):
-    """What the model calls. Optional: rope_and_append(plan, kv, q, k, v, cos, sin, qk_norm_weights, eps), RoPE
-    on q and k in place plus append_kv in fewer launches; the fused model uses it where a backend has it (triton)
-    and otherwise runs kernels.rope_qk, then append_kv."""
+    """What the model calls. Optional: attend_with_rope(plan, kv, q, k, v, cos, sin, qk_norm_weights, eps) ->
+    [T, heads, head_dim], RoPE on the raw q and k, append_kv and attend in fewer launches; the fused model uses
+    it where a backend has it (triton) and otherwise runs kernels.rope_qk, append_kv, then attend."""
 
     name: str
     # Whether attend() reads BatchLayout.segments (the engine only builds them for backends that do).

@@ -43,6 +43,16 @@ PROGRAMS_PER_SM = 2  # chunks are cut until each launch's items x KV heads fill 
 MERGE_BLOCK_H = 1
 MERGE_BLOCK_S = 8
 MERGE_WARPS = 1
+# A decode step of one-row runs (leaves that share nothing worth reading once) is cut into single KV tiles of
+# ONE_TILE_LAUNCH[0] positions, and RoPE, the KV append and the attention run in one launch per layer
+# (triton_decode_kernel.py) while its tiles x KV heads stay within ONE_TILE_PROGRAMS_PER_SM programs per
+# multiprocessor; beyond that, chunks of several tiles (the general kernel) write and merge fewer partials.
+# Measured on an H100 (benchmarks/tune_one_tile.py, one 0.6B leaf, decoder graph alone): with 128-position
+# tiles and 8 warps, the fastest of eight settings, 6% faster at 512 and 2,048 tokens (40 and 136 programs),
+# 3% slower at 4,096 (264) and 21% at 8,192 (520), where programs no longer start together and each waits with
+# its tile loaded. BLOCK_N, num_warps:
+ONE_TILE_LAUNCH = (128, 8)
+ONE_TILE_PROGRAMS_PER_SM = 1.5
 
 
 def interpreting() -> bool:
@@ -61,6 +71,7 @@ class TritonPlan:
     num_slots: int
     slot_mapping: torch.Tensor  # [T] int32 flat cache slot of each new token
     launches: list[_Launch]
+    one_tile: bool  # PlanShape.one_tile: attend_with_rope may take the step in one launch per layer
     entry_rows: torch.Tensor  # [E] int32 query token of each (item, row) entry
     entry_pos: torch.Tensor  # [E] int32 its position, for the causal mask
     block_ids: torch.Tensor  # [NB] int32 the blocks the items read
@@ -78,11 +89,15 @@ class TritonAttention:
                  wide_launch: tuple[int, int] = WIDE_LAUNCH, narrow_launch: tuple[int, int] = NARROW_LAUNCH,
                  wide_block_n: int = BLOCK_N, short_run_launch: tuple[int, int, int] = SHORT_RUN_LAUNCH,
                  programs_per_sm: int = PROGRAMS_PER_SM,
-                 merge_block: tuple[int, int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S, MERGE_WARPS)):
+                 merge_block: tuple[int, int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S, MERGE_WARPS),
+                 one_tile_launch: tuple[int, int] = ONE_TILE_LAUNCH,
+                 one_tile_programs_per_sm: float = ONE_TILE_PROGRAMS_PER_SM):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
         self.wide_launch, self.narrow_launch = wide_launch, narrow_launch
         self.wide_block_n, self.short_run_launch = wide_block_n, short_run_launch
         self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
+        # one_tile_programs_per_sm=0 keeps every step on the general kernels (benchmarks compare the two).
+        self.one_tile_launch, self.one_tile_programs_per_sm = one_tile_launch, one_tile_programs_per_sm
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
         # Plan for a GPU of this many multiprocessors instead of the device's (benchmarks/host_step.py times
@@ -129,7 +144,7 @@ class TritonAttention:
                             shape.short_runs and block_m == narrowest)
                     for block_m, count in shape.items if count]
         return TritonPlan(num_slots=shape.slots, slot_mapping=views["mapping"],
-                          launches=launches, entry_rows=views["rows"], entry_pos=views["pos"],
+                          launches=launches, one_tile=shape.one_tile, entry_rows=views["rows"], entry_pos=views["pos"],
                           block_ids=views["blocks"], slot_indptr=views["indptr"], slots=views["slots"], host=host)
 
     def host_plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> HostPlan:
@@ -140,8 +155,34 @@ class TritonAttention:
                   else [table for table, q in zip(layout.block_tables, layout.q_lens) for _ in range(q)])
         slot_mapping = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
         widths = (narrow,) + tuple(w for w in self.tile_widths if w > narrow)
-        return build_host_plan(self._runs(layout), positions, slot_mapping, block_size, self.group, widths,
-                               self._chunker(device))
+        runs = self._runs(layout)
+        if self._fits_one_tile(layout, runs, device):
+            tile = self._one_tile_block_n()
+            host = build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, lambda work: tile)
+            host.one_tile = True
+            return host
+        return build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, self._chunker(device))
+
+    def _one_tile_block_n(self) -> int:
+        return INTERPRET_BLOCK_N if interpreting() else self.one_tile_launch[0]
+
+    def _fits_one_tile(self, layout: BatchLayout, runs: list[tuple], device: torch.device) -> bool:
+        """Whether a step goes to the fused decode kernel: a decode step whose runs each have one row, few
+        enough tiles for the GPU (the interpreter takes any number, so tests reach the kernel)."""
+        if self.one_tile_programs_per_sm <= 0 or not layout.is_decode or any(len(run[0]) != 1 for run in runs):
+            return False
+        if self.multiprocessors is None and device.type != "cuda":
+            return True
+        tile = self._one_tile_block_n()
+        tiles = sum(-(-(end - start) // tile) for _, start, end, _ in runs)
+        return tiles * self.num_kv_heads <= self.one_tile_programs_per_sm * self._multiprocessors(device)
+
+    def _multiprocessors(self, device: torch.device) -> int:
+        if self.multiprocessors is not None:
+            return self.multiprocessors
+        if device not in self._sms:
+            self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._sms[device]
 
     @staticmethod
     def _runs(layout: BatchLayout) -> list[tuple]:
@@ -165,9 +206,7 @@ class TritonAttention:
         beside a shared prefix stay whole while the prefix splits."""
         if self.multiprocessors is None and device.type != "cuda":
             return lambda work: max(self.min_chunk_tokens // 2, 1)  # the interpreter: small chunks, several per run
-        if self.multiprocessors is None and device not in self._sms:
-            self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = self.programs_per_sm * (self.multiprocessors or self._sms[device])
+        programs = self.programs_per_sm * self._multiprocessors(device)
 
         def chunk_for(work: int) -> int:
             chunk = max(self.min_chunk_tokens, math.ceil(work * self.num_kv_heads / programs))
@@ -193,6 +232,45 @@ class TritonAttention:
         rope_qk(q, k, cos, sin, out=(q, k), norm_weights=norm_weights, eps=eps,
                 append=(v, kv.k, kv.v, plan.slot_mapping))
 
+    def attend_with_rope(self, plan: TritonPlan, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, norm_weights, eps: float) -> torch.Tensor:
+        """RoPE (after Qwen3's q/k norms where norm_weights are given) on the step's q and k, the KV append, and
+        the attention -> [T, heads, head_dim]. A one-tile decode plan over a cache that is not fp8 takes two
+        launches (triton_decode_kernel.py, then the merge); any other, three (rope_and_append, then attend).
+        q, k, v [T, heads | kv_heads, head_dim] are the raw projections; the two-launch path leaves them as
+        they are, the other rotates q and k in place."""
+        if not plan.one_tile or kv.k_scale is not None:
+            self.rope_and_append(plan, kv, q, k, v, cos, sin, norm_weights, eps)
+            return self.attend(plan, q, kv)
+        return self._attend_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
+
+    def _attend_one_tile(self, plan, kv, q, k, v, cos, sin, norm_weights, eps) -> torch.Tensor:
+        from .triton_kernels import LOG2E
+        from .triton_decode_kernel import decode_tile_attention_kernel
+
+        num_heads, head_dim = q.shape[1:]
+        kv_heads = kv.k.shape[2]
+        if num_heads // kv_heads != self.group:
+            raise RuntimeError(f"the plan was made for {self.group} query heads per KV head, the model has "
+                               f"{num_heads // kv_heads}; call configure(num_heads, num_kv_heads) before planning.")
+        if k.stride() != v.stride() or cos.stride() != sin.stride() or k.stride(2) != 1 or q.stride(2) != 1:
+            raise ValueError(f"the fused decode attention needs k and v laid out alike with contiguous head "
+                             f"vectors (q {q.stride()}, k {k.stride()}, v {v.stride()}), and cos like sin.")
+        partial, lse = self._scratch(plan, q)
+        (launch,) = plan.launches  # one row per item: every item is of the narrowest width
+        q_norm, k_norm = norm_weights if norm_weights is not None else (cos, cos)  # unread without norms
+        decode_tile_attention_kernel[(launch.items.shape[0], kv_heads)](
+            q, k, v, cos, sin, q_norm, k_norm, kv.k, kv.v, partial, lse, launch.items, plan.entry_rows,
+            plan.entry_pos, plan.block_ids, plan.slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos.stride(0), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), partial.stride(0), partial.stride(1),
+            head_dim ** -0.5 * LOG2E, eps,
+            NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
+            BLOCK_M=max(16, triton_next_pow2(self.group)), BLOCK_N=self._one_tile_block_n(),
+            HAS_NORM=norm_weights is not None, IEEE=q.dtype == torch.float32, num_warps=self.one_tile_launch[1],
+            **pdl_arguments(q),
+        )
+        return self.merge(plan, q)
+
     def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         group = q.shape[1] // kv.k.shape[2]
         if group != self.group:  # tiles hold BLOCK_M // group rows, so the plan must know the group
@@ -209,12 +287,7 @@ class TritonAttention:
 
         num_heads, head_dim = q.shape[1:]
         kv_heads = kv.k.shape[2]
-        scratch = plan.scratch
-        if "out" not in scratch:
-            scratch["out"] = torch.empty(max(plan.num_slots, 1), num_heads, head_dim, dtype=torch.float32,
-                                         device=q.device)
-            scratch["lse"] = torch.empty(max(plan.num_slots, 1), num_heads, dtype=torch.float32, device=q.device)
-        partial, lse = scratch["out"], scratch["lse"]
+        partial, lse = self._scratch(plan, q)
         fp8 = kv.k_scale is not None
         ks = kv.k_scale if fp8 else partial  # any tensor: never read without FP8
         vs = kv.v_scale if fp8 else partial
@@ -237,6 +310,18 @@ class TritonAttention:
                 WAIT_AT_END=index > 0, num_warps=warps, num_stages=stages, **pdl_arguments(q),
             ))
         return compiled
+
+    @staticmethod
+    def _scratch(plan: TritonPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's partial outputs [slots, heads, head_dim] and log2-sum-exps [slots, heads], float32: made by
+        the first layer (a graph's plan: by the warm-up, outside the graph's pool), reused by every layer."""
+        scratch = plan.scratch
+        if "out" not in scratch:
+            num_heads, head_dim = q.shape[1:]
+            scratch["out"] = torch.empty(max(plan.num_slots, 1), num_heads, head_dim, dtype=torch.float32,
+                                         device=q.device)
+            scratch["lse"] = torch.empty(max(plan.num_slots, 1), num_heads, dtype=torch.float32, device=q.device)
+        return scratch["out"], scratch["lse"]
 
     def merge(self, plan: TritonPlan, q: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim] in q's dtype: each token's partials (write_partials) combined."""

@@ -31,6 +31,9 @@ class PlanShape:
     slots: int
     tokens: int
     short_runs: bool = False  # every item of the narrowest tile spans <= SHORT_RUN_TOKENS positions
+    # A decode step whose every item is one row's run of at most one KV tile: the fused decode kernel
+    # (triton_decode_kernel.py) may take it whole.
+    one_tile: bool = False
 
     def sections(self) -> list[tuple[str, int]]:
         return ([(f"items{block_m}", count * ITEM_COLS) for block_m, count in self.items]
@@ -47,7 +50,8 @@ class PlanShape:
         return (all(count <= mine.get(block_m, 0) for block_m, count in other.items if count)
                 and other.entries <= self.entries and other.blocks <= self.blocks
                 and other.slots <= self.slots and other.tokens <= self.tokens
-                and other.short_runs == self.short_runs)  # a captured launch keeps its KV step
+                and other.short_runs == self.short_runs  # a captured launch keeps its KV step
+                and other.one_tile == self.one_tile)  # and its kernel
 
     def padded(self, min_tokens: int) -> PlanShape:
         """The next power-of-two shape (so a graph serves many steps of a growing context)."""
@@ -56,7 +60,8 @@ class PlanShape:
         # A tile width with no items stays empty: its launch is skipped instead of running padding.
         return PlanShape(tuple((block_m, up(count, 8) if count else 0) for block_m, count in self.items),
                          up(self.entries),
-                         up(self.blocks, 64), up(self.slots), max(min_tokens, self.tokens), self.short_runs)
+                         up(self.blocks, 64), up(self.slots), max(min_tokens, self.tokens), self.short_runs,
+                         self.one_tile)
 
 
 @dataclass(slots=True)
@@ -69,6 +74,7 @@ class HostPlan:
     slots: np.ndarray  # [S]
     slot_mapping: np.ndarray  # [T] flat cache slot of each new token
     num_slots: int
+    one_tile: bool = False  # see PlanShape.one_tile
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +84,8 @@ class HostPlan:
         narrowest = next(iter(self.items.values()))  # build_host_plan keys items by width, ascending
         short_runs = len(narrowest) > 0 and int((narrowest[:, 3] - narrowest[:, 2]).max()) <= SHORT_RUN_TOKENS
         return PlanShape(tuple((block_m, len(items)) for block_m, items in self.items.items()),
-                         len(self.entry_rows), len(self.block_ids), self.num_slots, self.num_tokens, short_runs)
+                         len(self.entry_rows), len(self.block_ids), self.num_slots, self.num_tokens, short_runs,
+                         self.one_tile)
 
     def pack(self, shape: PlanShape, trash_slot: int) -> torch.Tensor:
         """One int32 tensor holding every section, padded to `shape`: padding items have no rows, padding

@@ -17,6 +17,20 @@ from .pdl import pdl_arguments, wait_for_inputs
 
 
 @triton.jit
+def rms_normed(x, rstd, weight, dtype: tl.constexpr):
+    """x * rstd times the norm weight, both products rounded to the activation dtype as transformer.RMSNorm
+    rounds them (float32 values in, float32 values of dtype out)."""
+    return (weight * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def rotated(x, partner, cos, sin, sign, dtype: tl.constexpr):
+    """x * cos + sign * partner * sin, each product rounded to dtype as apply_rope rounds it: the first half of
+    a head takes sign -1 and the second half as partner, the second half +1 and the first (rotate_half)."""
+    return (x * cos).to(dtype).to(tl.float32) + sign * (partner * sin).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rope_heads(x_ptr, out_ptr, token, x_stride_t, x_stride_h, out_stride_t, out_stride_h, num_heads,
                 cos1, cos2, sin1, sin2, weight_ptr, eps,
                 HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -32,11 +46,10 @@ def _rope_heads(x_ptr, out_ptr, token, x_stride_t, x_stride_h, out_stride_t, out
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(weight_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(weight_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1)
-    first = (x1 * cos1).to(dtype).to(tl.float32) - (x2 * sin1).to(dtype).to(tl.float32)
-    second = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+        x1 = rms_normed(x1, rstd, w1, dtype)
+        x2 = rms_normed(x2, rstd, w2, dtype)
+    first = rotated(x1, x2, cos1, sin1, -1.0, dtype)  # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+    second = rotated(x2, x1, cos2, sin2, 1.0, dtype)
     dst = out_ptr + token * out_stride_t + heads * out_stride_h + cols
     tl.store(dst, first.to(dtype), mask=mask)
     tl.store(dst + HALF, second.to(dtype), mask=mask)
