@@ -117,6 +117,22 @@ def time_calls(fn: Callable[[], Any], device: torch.device, repeats: int, warmup
     return times
 
 
+def per_replay_seconds(run, replays: int, rounds: int = 5) -> float:
+    """Median over rounds of (device time of `replays` back-to-back calls of run) / replays."""
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            run()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3 / replays)
+    return statistics.median(times)
+
+
 def kernel_seconds(fn: Callable[[], Any], device: torch.device, capture: bool = True) -> float:
     """Median device seconds of one call of fn (GPU launches), with the L2 cache flushed before each call so
     its inputs come from memory as in a real step. On CUDA the calls replay from a CUDA graph, so the

@@ -19,7 +19,8 @@ repeated to the batch, then the leaves' own tokens).
 
 One model per case is built once; each variant is an Engine over it, rebuilt only for its own KV pool.
 
-    python benchmarks/decode_step.py [--cases a b] [--steps 20] [--warmup 1] [--no-hf] [--json PATH] [--smoke]
+    python benchmarks/decode_step.py [--cases a b] [--steps 20] [--warmup 1] [--no-hf] [--graphs-only] [--json PATH]
+                                     [--smoke]
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ BLOCK_SIZE = 16
 CALLS = 3  # timed generate(leaves, steps) calls per variant
 # (attention, cuda_graphs): None leaves the engine's default, which is off for the torch reference.
 VARIANTS = [("triton", True), ("triton", False), ("flashinfer", True), ("flashinfer", False), ("torch", None)]
+# Beside them, the triton engine with graphs whose decode steps keep the three attention launches per layer
+# (RoPE + append, attention, merge) where it would fuse them into one (attention/triton_decode_kernel.py).
+GENERAL_ATTENTION_LABEL = "triton-3launch"
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 # Errors of a variant that builds but fails while running: reported on its row, the other rows still run.
 RUN_ERRORS = (RuntimeError, ValueError, NotImplementedError, AssertionError)
@@ -69,12 +73,16 @@ def num_blocks(case: Case, extra_tokens: int) -> int:
 
 
 def engine_step_seconds(model, setup: Setup, attention: str, graphs: bool | None, case: Case, prefix_ids,
-                        own_ids, steps: int, warmup: int) -> tuple[tuple[list[float], list[float]] | None, str | None]:
-    """((seconds per step inside generate(leaves, steps), per call), seconds per generate(leaves, 1) call)."""
+                        own_ids, steps: int, warmup: int, fused_decode: bool = True,
+                        ) -> tuple[tuple[list[float], list[float]] | None, str | None]:
+    """((seconds per step inside generate(leaves, steps), per call), seconds per generate(leaves, 1) call).
+    fused_decode=False: the triton backend never takes the one-launch decode kernel."""
     engine, reason = engine_variant(model, setup, attention, graphs, block_size=BLOCK_SIZE,
                                     num_blocks=num_blocks(case, warmup * steps + CALLS * steps + steps + 1))
     if engine is None:
         return None, reason
+    if not fused_decode:
+        engine.backend.one_tile_programs_per_sm = 0
     try:
         root = engine.new_branch("prefix", prefix_ids)
         leaves = [root]
@@ -116,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     arguments.add_argument("--warmup", type=int, default=None, help="untimed generate(leaves, steps) calls first (default 1)")
     arguments.add_argument("--hf-steps", type=int, default=None, help="timed transformers steps (default 5; smoke 2)")
     arguments.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    arguments.add_argument("--graphs-only", action="store_true",
+                           help="only the variants with CUDA graphs (the eager ones take minutes at 8B)")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     steps = args.steps or (3 if setup.smoke else 20)
@@ -163,11 +173,14 @@ def main(argv: list[str] | None = None) -> dict:
             if hf_times is not None:
                 hf_ms = statistics.median(hf_times) * 1e3
         rows = []
-        for attention, graphs in VARIANTS:
+        for attention, graphs in [*VARIANTS, (GENERAL_ATTENTION_LABEL, True)]:
+            if args.graphs_only and not graphs:
+                continue
             label = {"case": case_label, "attention": attention,
                      "graphs": {True: "on", False: "off", None: "off"}[graphs], "target": target}
-            measured, reason = engine_step_seconds(model, setup, attention, graphs, case, prefix_ids, own_ids, steps,
-                                                warmup)
+            general = attention == GENERAL_ATTENTION_LABEL
+            measured, reason = engine_step_seconds(model, setup, "triton" if general else attention, graphs, case,
+                                                   prefix_ids, own_ids, steps, warmup, fused_decode=not general)
             free_memory(setup.device)   # this variant's pool (and graphs), before the next one's
             if measured is None:
                 log(f"  {attention:>10} graphs {label['graphs']:>3}: unavailable: {reason}")

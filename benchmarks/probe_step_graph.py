@@ -26,27 +26,11 @@ import time
 
 import torch
 
-from bench_common import build_model, engine_variant, free_memory, log, parser, random_ids
+from bench_common import build_model, engine_variant, free_memory, log, parser, per_replay_seconds, random_ids
 from bench_common import setup as make_setup
 from decode_step import CASES, GREEDY, num_blocks
 from dendrite_nb.cuda_graphs import GRAPH_BLAS_LIBRARY, blas_library
 from profile_step import TOT_8B_CASE, TOT_CASE
-
-
-def per_replay_seconds(run, replays: int, rounds: int = 5) -> float:
-    """Median over rounds of (device time of `replays` back-to-back calls of run) / replays."""
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            run()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3 / replays)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
                                         num_blocks=num_blocks(case, 8 * args.steps + 64))
         if engine is None:
             raise SystemExit(f"the triton engine cannot run here: {reason}")
+        # The bounds below stand in for rope_and_append and merge, which the one-launch decode kernel
+        # (attention/triton_decode_kernel.py) does not call: this probe times the general kernels.
+        engine.backend.one_tile_programs_per_sm = 0
         vocab = model.config.vocab_size
         root = engine.new_branch("prefix", random_ids(case.prefix, vocab, seed=1))
         leaves = [root]

@@ -141,8 +141,8 @@ def test_prefill_chunks(run):
 
 
 def test_gpu_diagnostics_name_what_exists(monkeypatch):
-    """profile_step.py, tune_skinny.py, eager_products.py, probe_step_graph.py and probe_prefix_prefill.py run on
-    a GPU only, and tune_tree_attention.py's real sweeps too (its smoke run is the next test); here, every function
+    """profile_step.py, tune_skinny.py, eager_products.py, probe_step_graph.py, probe_prefix_prefill.py and
+    tune_one_tile.py run on a GPU only, and tune_tree_attention.py's real sweeps too (its smoke run is the next test); here, every function
     they time, every attention variant they build and the captured graph's parts the probe replays must still
     exist, so a rename breaks this test, not the GPU run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -170,6 +170,14 @@ def test_gpu_diagnostics_name_what_exists(monkeypatch):
         importlib.import_module("probe_step_graph").main(["--smoke", "--device", "cpu"])
     with pytest.raises(SystemExit, match="GPU"):
         importlib.import_module("probe_prefix_prefill").main(["--smoke", "--device", "cpu"])
+    # tune_one_tile.py and decode_step.py set these on an engine's backend to pick a launch or the general path.
+    backend = TritonAttention()
+    assert backend.one_tile_programs_per_sm > 0 and len(backend.one_tile_launch) == 2
+    from dendrite_nb.cuda_graphs import ForwardGraphs
+
+    assert "_graphs" in ForwardGraphs.__init__.__code__.co_names  # tune_one_tile.py replays the last graph
+    with pytest.raises(SystemExit, match="GPU"):
+        importlib.import_module("tune_one_tile").main(["--smoke", "--device", "cpu"])
 
 
 def test_attention_tuner_times_each_launch_and_the_merge_alone(monkeypatch, capsys):
