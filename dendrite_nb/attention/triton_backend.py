@@ -173,9 +173,11 @@ class TritonAttention:
             return False
         if self.multiprocessors is None and device.type != "cuda":
             return True
+        programs = self.one_tile_programs_per_sm * self._multiprocessors(device)
+        if len(runs) * self.num_kv_heads > programs:  # each run is a tile at least: no need to count (1,000 rows)
+            return False
         tile = self._one_tile_block_n()
-        tiles = sum(-(-(end - start) // tile) for _, start, end, _ in runs)
-        return tiles * self.num_kv_heads <= self.one_tile_programs_per_sm * self._multiprocessors(device)
+        return sum(-(-(end - start) // tile) for _, start, end, _ in runs) * self.num_kv_heads <= programs
 
     def _multiprocessors(self, device: torch.device) -> int:
         if self.multiprocessors is not None:
