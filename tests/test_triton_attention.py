@@ -449,8 +449,8 @@ def test_fused_decode_launch_equals_rope_append_and_attend(device, shape, dtype)
 
 
 def test_fused_decode_launch_is_planned_for_one_row_runs_that_fit_the_gpu():
-    """Shared segments, prefills and steps of more tiles than the GPU's programs keep the general kernels; a
-    one-tile plan cuts every run into tiles of the fused launch's BLOCK_N."""
+    """Shared segments, prefills, fp8 caches and steps of more tiles than the GPU's programs keep the general
+    kernels; a one-tile plan cuts every run into tiles of the fused launch's BLOCK_N."""
     eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=1024,
                              block_size=4)
     leaves = random_tree(eng, random.Random(2), leaves=4, depth=2)
@@ -474,3 +474,7 @@ def test_fused_decode_launch_is_planned_for_one_row_runs_that_fit_the_gpu():
     general.configure(eng.config.num_heads, eng.config.num_kv_heads)
     other = general.host_plan(flat, 4, eng.device).shape()
     assert not host.shape().padded(8).fits(other) and not other.padded(8).fits(host.shape())
+    # An fp8 cache keeps its quantising append kernel: its steps are chunked for the general kernels.
+    fp8 = TritonAttention()
+    fp8.configure(eng.config.num_heads, eng.config.num_kv_heads, kv_dtype=torch.float8_e4m3fn)
+    assert not fp8.host_plan(flat, 4, eng.device).one_tile

@@ -99,6 +99,7 @@ class TritonAttention:
         # one_tile_programs_per_sm=0 keeps every step on the general kernels (benchmarks compare the two).
         self.one_tile_launch, self.one_tile_programs_per_sm = one_tile_launch, one_tile_programs_per_sm
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
+        self.fp8_cache = False  # set by configure()
         self._sms: dict[torch.device, int] = {}
         # Plan for a GPU of this many multiprocessors instead of the device's (benchmarks/host_step.py times
         # a GPU's plans on the CPU, where the interpreter's small chunks would make them far larger).
@@ -168,8 +169,9 @@ class TritonAttention:
 
     def _fits_one_tile(self, layout: BatchLayout, runs: list[tuple], device: torch.device) -> bool:
         """Whether a step goes to the fused decode kernel: a decode step whose runs each have one row, few
-        enough tiles for the GPU (the interpreter takes any number, so tests reach the kernel)."""
-        if self.one_tile_programs_per_sm <= 0 or not layout.is_decode or any(len(run[0]) != 1 for run in runs):
+        enough tiles for the GPU (the interpreter takes any number, so tests reach the kernel), a cache not fp8."""
+        if (self.one_tile_programs_per_sm <= 0 or self.fp8_cache or not layout.is_decode
+                or any(len(run[0]) != 1 for run in runs)):
             return False
         if self.multiprocessors is None and device.type != "cuda":
             return True
@@ -250,11 +252,9 @@ class TritonAttention:
         from .triton_kernels import LOG2E
         from .triton_decode_kernel import decode_tile_attention_kernel
 
+        self._check_group(q, kv)
         num_heads, head_dim = q.shape[1:]
         kv_heads = kv.k.shape[2]
-        if num_heads // kv_heads != self.group:
-            raise RuntimeError(f"the plan was made for {self.group} query heads per KV head, the model has "
-                               f"{num_heads // kv_heads}; call configure(num_heads, num_kv_heads) before planning.")
         if k.stride() != v.stride() or cos.stride() != sin.stride() or k.stride(2) != 1 or q.stride(2) != 1:
             raise ValueError(f"the fused decode attention needs k and v laid out alike with contiguous head "
                              f"vectors (q {q.stride()}, k {k.stride()}, v {v.stride()}), and cos like sin.")
@@ -274,10 +274,7 @@ class TritonAttention:
         return self.merge(plan, q)
 
     def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        group = q.shape[1] // kv.k.shape[2]
-        if group != self.group:  # tiles hold BLOCK_M // group rows, so the plan must know the group
-            raise RuntimeError(f"the plan was made for {self.group} query heads per KV head, the model has "
-                               f"{group}; call configure(num_heads, num_kv_heads) before planning.")
+        self._check_group(q, kv)
         self.write_partials(plan, q, kv)
         return self.merge(plan, q)
 
@@ -313,6 +310,12 @@ class TritonAttention:
             ))
         return compiled
 
+    def _check_group(self, q: torch.Tensor, kv: LayerKV) -> None:
+        group = q.shape[1] // kv.k.shape[2]
+        if group != self.group:  # tiles hold BLOCK_M // group rows, so the plan must know the group
+            raise RuntimeError(f"the plan was made for {self.group} query heads per KV head, the model has "
+                               f"{group}; call configure(num_heads, num_kv_heads) before planning.")
+
     @staticmethod
     def _scratch(plan: TritonPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The plan's partial outputs [slots, heads, head_dim] and log2-sum-exps [slots, heads], float32: made by
@@ -344,9 +347,11 @@ class TritonAttention:
         )
         return out
 
-    def configure(self, num_heads: int, num_kv_heads: int) -> None:
-        """Tell the planner the model's head layout (rows per tile depend on the GQA group size)."""
+    def configure(self, num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype | None = None) -> None:
+        """Tell the planner the model's head layout (rows per tile depend on the GQA group size) and the cache's
+        dtype (an fp8 cache keeps its quantising append, so its steps are never planned for the fused launch)."""
         self.group, self.num_kv_heads = num_heads // num_kv_heads, num_kv_heads
+        self.fp8_cache = kv_dtype == torch.float8_e4m3fn
 
 
 def triton_next_pow2(n: int) -> int:

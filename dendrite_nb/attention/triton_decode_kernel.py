@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..kernels.pdl import wait_for_inputs
 from ..kernels.rope import rms_normed, rotated
+from .triton_kernels import load_item
 
 
 @triton.jit
@@ -58,13 +59,7 @@ def decode_tile_attention_kernel(
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
-    base = ITEMS + item * 6  # the item table of triton_kernels.py; rows is 0 (padding) or 1
-    entry_off = tl.load(base)
-    num_rows = tl.load(base + 1)
-    kv_start = tl.load(base + 2)
-    kv_end = tl.load(base + 3)
-    block_off = tl.load(base + 4)
-    slot0 = tl.load(base + 5)
+    entry_off, num_rows, kv_start, kv_end, block_off, slot0 = load_item(ITEMS, item)  # num_rows: 0 or 1
     row = tl.load(ENTRY_ROWS + entry_off, mask=num_rows > 0, other=0).to(tl.int64)
     q_pos = tl.load(ENTRY_POS + entry_off, mask=num_rows > 0, other=-1)
     hi = tl.minimum(kv_end, q_pos + 1)

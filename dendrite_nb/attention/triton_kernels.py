@@ -23,6 +23,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def load_item(ITEMS, item):
+    """Item `item`'s columns of the item table (module docstring): entry offset, rows (0: a padding item of a
+    fixed grid for CUDA graphs, which does nothing), kv_start, kv_end, block offset, first slot."""
+    base = ITEMS + item * 6
+    return (tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4),
+            tl.load(base + 5))
+
+
+@triton.jit
 def _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, block_off, kv_head, d,
                   stride_kb, stride_kt, stride_kh, stride_sb, stride_st, qk_scale,
                   BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
@@ -100,13 +109,7 @@ def segment_attention_kernel(
     # runs alongside it and waits only before it ends: the merge after it still finds every partial written.
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
-    base = ITEMS + item * 6
-    entry_off = tl.load(base)
-    num_rows = tl.load(base + 1)  # 0: a padding item (fixed grids for CUDA graphs), which does nothing
-    kv_start = tl.load(base + 2)
-    kv_end = tl.load(base + 3)
-    block_off = tl.load(base + 4)
-    slot0 = tl.load(base + 5)
+    entry_off, num_rows, kv_start, kv_end, block_off, slot0 = load_item(ITEMS, item)
     m = tl.arange(0, BLOCK_M)
     row_local = m // GROUP
     head = kv_head * GROUP + m % GROUP
