@@ -3,7 +3,6 @@
 On the CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), in float32 with
 small shapes; the `gpu` tests repeat the checks on CUDA in float32 and bfloat16.
 """
-import math
 import random
 
 import numpy as np
@@ -447,93 +446,6 @@ def test_fused_decode_launch_equals_rope_append_and_attend(device, shape, dtype)
     assert (fused - general).abs().max() < tolerance
     assert (fused_kv - general_kv).abs().max() < tolerance
     assert not torch.equal(fused_kv, before.float())  # the step's KV went in
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", ["qwen3-gqa-tied", "llama-mha-tied"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICES == ["cuda"] else [torch.float32])
-def test_o_proj_merging_the_partials_equals_the_merge_then_the_product(device, shape, dtype):
-    """One leaf's step may leave its merge to the o_proj GEMV (partials_with_rope, then gemv_of_partials): the
-    product must equal the merge kernel's output times o_proj, for one tile and for more slots than a merge
-    folds at a time (block_s 2 here), and write the same KV."""
-    from dendrite_nb.kernels import gemv, gemv_of_partials
-    from dendrite_nb.model.rope import rope_cos_sin
-
-    eng = Engine.from_random(TINY_SHAPES[shape].hf_config(vocab_size=256), device=device, dtype=str(dtype)[6:],
-                             num_blocks=1024, block_size=4)
-    heads, kv_heads, head_dim = eng.config.num_heads, eng.config.num_kv_heads, eng.config.head_dim
-    tile = TritonAttention()._one_tile_block_n()
-    o_proj = eng.model.model.layers[0].self_attn.o_proj
-    kv = eng.pool.layers()[0]
-    for length, seed in ((7, 1), (5 * tile - 3, 2)):  # one tile; five
-        leaf = eng.new_branch(f"leaf{length}", [random.Random(seed).randrange(200) for _ in range(length - 1)])
-        eng.append_many([(leaf, [1])])
-        layout = decode_layout(eng.branch_tree, [leaf], shared=False)
-        qkv, norms = _raw_step(eng, 1, dtype, seed=seed)
-        cos, sin = rope_cos_sin(eng.model.inv_freq, torch.tensor(layout.positions, device=eng.device), dtype)
-        before = eng.pool.kv.clone()
-        backend = TritonAttention(merge_block=(1, 2, 1))
-        backend.configure(heads, kv_heads)
-        plan = backend.plan(layout, 4, eng.device)
-        q, k, v = qkv.clone().split([heads, kv_heads, kv_heads], dim=1)
-        merged = backend.attend_with_rope(plan, kv, q, k, v, cos, sin, norms, 1e-6)
-        expected = gemv(merged.reshape(1, heads * head_dim), o_proj.weight, o_proj.bias)
-        expected_kv = eng.pool.kv.clone()
-        eng.pool.kv.copy_(before)
-        q, k, v = qkv.clone().split([heads, kv_heads, kv_heads], dim=1)
-        partials = backend.partials_with_rope(plan, kv, q, k, v, cos, sin, norms, 1e-6)
-        assert partials is not None and partials.block_s == 2
-        slots = plan.slot_indptr[1].item() - plan.slot_indptr[0].item()
-        assert slots == -(-length // tile)
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        # The merge in torch, from the same partials: a check that does not share the kernels' merge code.
-        own = partials.slots[partials.slot_indptr[0]:partials.slot_indptr[1]].long()
-        weights = torch.softmax(partials.lse[own] * math.log(2), dim=0)  # [slots, heads]; lse is log2-sum-exp
-        by_torch = (weights[..., None] * partials.out[own]).sum(0).to(dtype).reshape(1, heads * head_dim)
-        assert (by_torch.float() - merged.reshape(1, -1).float()).abs().max() < tolerance
-        by_torch = torch.nn.functional.linear(by_torch, o_proj.weight, o_proj.bias)
-        # The default chunking (every head in one chunk at these shapes), and one head a chunk.
-        for config in (None, (4, head_dim, 4, 1)):
-            got = gemv_of_partials(partials, o_proj.weight, o_proj.bias, config=config)
-            assert got.shape == expected.shape and (got.float() - expected.float()).abs().max() < tolerance
-            assert (got.float() - by_torch.float()).abs().max() < tolerance
-        assert torch.equal(eng.pool.kv, expected_kv)
-
-
-def test_partials_are_left_to_the_product_only_for_one_token_planned_one_tile():
-    """partials_with_rope takes one token's one-tile step with few slots; any other step gets None and nothing
-    is launched or written (the caller then runs attend_with_rope). gemv_of_partials refuses shapes it cannot
-    read."""
-    from dendrite_nb.kernels import Partials, gemv_of_partials
-
-    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=1024,
-                             block_size=4)
-    heads, kv_heads = eng.config.num_heads, eng.config.num_kv_heads
-    leaves = [eng.new_branch(f"b{i}", list(range(1, 9 + i))) for i in range(2)]
-    eng.append_many([(leaf, [1]) for leaf in leaves])
-    kv = eng.pool.layers()[0]
-    before = eng.pool.kv.clone()
-
-    def partials(backend, rows):
-        backend.configure(heads, kv_heads)
-        layout = decode_layout(eng.branch_tree, leaves[:rows], shared=False)
-        plan = backend.plan(layout, 4, eng.device)
-        qkv, norms = _raw_step(eng, rows, torch.float32, seed=3)
-        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-        cos = torch.ones(rows, eng.config.head_dim, device=eng.device)
-        return plan, backend.partials_with_rope(plan, kv, q, k, v, cos, cos * 0, None, 0.0)
-
-    assert partials(TritonAttention(), 2)[1] is None  # two tokens: their product is not a gemv of one row
-    assert partials(TritonAttention(one_tile_programs_per_sm=0), 1)[1] is None  # chunked for the general kernels
-    assert partials(TritonAttention(merge_in_product_slots=0), 1)[1] is None
-    assert torch.equal(eng.pool.kv, before)
-    plan, taken = partials(TritonAttention(), 1)
-    assert taken is not None and taken.tokens == 1 and not torch.equal(eng.pool.kv, before)
-    weight = torch.randn(32, heads * eng.config.head_dim, device=eng.device)
-    with pytest.raises(ValueError, match="heads \\* head_dim"):
-        gemv_of_partials(taken, weight[:, :-1])
-    with pytest.raises(ValueError, match="at most 4 rows"):
-        gemv_of_partials(Partials(*taken[:4], 5, taken.block_s), weight)
 
 
 def test_fused_decode_launch_is_planned_for_one_row_runs_that_fit_the_gpu():

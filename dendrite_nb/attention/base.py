@@ -57,9 +57,7 @@ class LayerKV(NamedTuple):
 class AttentionBackend(Protocol):
     """What the model calls. Optional: attend_with_rope(plan, kv, q, k, v, cos, sin, qk_norm_weights, eps) ->
     [T, heads, head_dim], RoPE on the raw q and k, append_kv and attend in fewer launches; the fused model uses
-    it where a backend has it (triton) and otherwise runs kernels.rope_qk, append_kv, then attend. Optional too:
-    partials_with_rope(same arguments) -> kernels.Partials or None, the same work with the merge left to the
-    product after it (kernels.gemv_of_partials), for the steps the backend chooses (None: it did nothing)."""
+    it where a backend has it (triton) and otherwise runs kernels.rope_qk, append_kv, then attend."""
 
     name: str
     # Whether attend() reads BatchLayout.segments (the engine only builds them for backends that do).

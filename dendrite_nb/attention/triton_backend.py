@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.merge import Partials
 from ..kernels.pdl import pdl_arguments
 from .base import BatchLayout, LayerKV
 from .triton_kernels import ITEM_COLS
@@ -54,10 +53,6 @@ MERGE_WARPS = 1
 # its tile loaded. BLOCK_N, num_warps:
 ONE_TILE_LAUNCH = (128, 8)
 ONE_TILE_PROGRAMS_PER_SM = 1.5
-# A one-token step planned one-tile with at most this many partial slots (a graph's plan: its padded shape's)
-# leaves its merge to the o_proj product (kernels.gemv_of_partials), one launch a layer fewer; every program
-# of that product reads all of the token's partials, so a longer context keeps the merge kernel. 0: never.
-MERGE_IN_PRODUCT_SLOTS = 16
 
 
 def interpreting() -> bool:
@@ -96,15 +91,13 @@ class TritonAttention:
                  programs_per_sm: int = PROGRAMS_PER_SM,
                  merge_block: tuple[int, int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S, MERGE_WARPS),
                  one_tile_launch: tuple[int, int] = ONE_TILE_LAUNCH,
-                 one_tile_programs_per_sm: float = ONE_TILE_PROGRAMS_PER_SM,
-                 merge_in_product_slots: int = MERGE_IN_PRODUCT_SLOTS):
+                 one_tile_programs_per_sm: float = ONE_TILE_PROGRAMS_PER_SM):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
         self.wide_launch, self.narrow_launch = wide_launch, narrow_launch
         self.wide_block_n, self.short_run_launch = wide_block_n, short_run_launch
         self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
         # one_tile_programs_per_sm=0 keeps every step on the general kernels (benchmarks compare the two).
         self.one_tile_launch, self.one_tile_programs_per_sm = one_tile_launch, one_tile_programs_per_sm
-        self.merge_in_product_slots = merge_in_product_slots
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self.fp8_cache = False  # set by configure()
         self._sms: dict[torch.device, int] = {}
@@ -253,25 +246,9 @@ class TritonAttention:
         if not plan.one_tile or kv.k_scale is not None:
             self.rope_and_append(plan, kv, q, k, v, cos, sin, norm_weights, eps)
             return self.attend(plan, q, kv)
-        self._write_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
-        return self.merge(plan, q)
+        return self._attend_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
 
-    def partials_with_rope(self, plan: TritonPlan, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cos: torch.Tensor, sin: torch.Tensor, norm_weights, eps: float) -> Partials | None:
-        """attend_with_rope's work without its merge, for the product after it to merge (kernels.gemv_of_partials):
-        the fused launch's unmerged partials. None, having done nothing, unless the step is one token planned
-        one-tile over a cache that is not fp8, with at most merge_in_product_slots slots; then call
-        attend_with_rope."""
-        tokens = q.shape[0]
-        if (tokens != 1 or not plan.one_tile or kv.k_scale is not None
-                or plan.num_slots > self.merge_in_product_slots):
-            return None
-        partial, lse = self._write_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
-        return Partials(partial, lse, plan.slot_indptr, plan.slots, tokens, self.merge_block[1])
-
-    def _write_one_tile(self, plan, kv, q, k, v, cos, sin, norm_weights, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused launch (triton_decode_kernel.py): RoPE, the append and each tile's partial -> the plan's
-        scratch (partial outputs, lse)."""
+    def _attend_one_tile(self, plan, kv, q, k, v, cos, sin, norm_weights, eps) -> torch.Tensor:
         from .triton_kernels import LOG2E
         from .triton_decode_kernel import decode_tile_attention_kernel
 
@@ -294,7 +271,7 @@ class TritonAttention:
             HAS_NORM=norm_weights is not None, IEEE=q.dtype == torch.float32, num_warps=self.one_tile_launch[1],
             **pdl_arguments(q),
         )
-        return partial, lse
+        return self.merge(plan, q)
 
     def attend(self, plan: TritonPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         self._check_group(q, kv)

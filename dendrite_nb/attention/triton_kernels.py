@@ -16,7 +16,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kernels.merge import merged_heads
 from ..kernels.pdl import wait_for_inputs
 
 ITEM_COLS = 6
@@ -175,7 +174,34 @@ def merge_partials_kernel(
     wait_for_inputs(PDL)
     d = tl.arange(0, HEAD_DIM)
     h_valid = h < NUM_HEADS
-    out = merged_heads(first_slots, first, last, SLOTS, h, h_valid, d, OUT_P, LSE_P, stride_ps, stride_ph,
-                       NUM_HEADS, BLOCK_H, HEAD_DIM, BLOCK_S)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc, m_i, l_i = _merge_slots(acc, m_i, l_i, first_slots, s < last, h, h_valid, d, OUT_P, LSE_P, stride_ps,
+                                 stride_ph, NUM_HEADS)
+    for s0 in range(first + BLOCK_S, last, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = s < last
+        slots = tl.load(SLOTS + s, mask=s_valid, other=0).to(tl.int64)
+        acc, m_i, l_i = _merge_slots(acc, m_i, l_i, slots, s_valid, h, h_valid, d, OUT_P, LSE_P, stride_ps,
+                                     stride_ph, NUM_HEADS)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + row * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
              mask=h_valid[:, None])
+
+
+@triton.jit
+def _merge_slots(acc, m_i, l_i, slot, s_valid, h, h_valid, d, OUT_P, LSE_P, stride_ps, stride_ph,
+                 NUM_HEADS: tl.constexpr):
+    """Fold partial slots `slot` [BLOCK_S] (where s_valid) into the running log-sum-exp merge of heads h."""
+    sh_valid = s_valid[:, None] & h_valid[None, :]
+    lse = tl.load(LSE_P + slot[:, None] * NUM_HEADS + h[None, :], mask=sh_valid, other=float("-inf"))
+    part = tl.load(OUT_P + slot[:, None, None] * stride_ps + h[None, :, None] * stride_ph + d[None, None, :],
+                   mask=sh_valid[:, :, None], other=0.0)  # [BLOCK_S, BLOCK_H, D]
+    m_new = tl.maximum(m_i, tl.max(lse, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads with nothing visible yet
+    alpha = tl.math.exp2(m_i - m_safe)
+    weight = tl.math.exp2(lse - m_safe[None, :])  # [BLOCK_S, BLOCK_H]; 0 for masked slots
+    acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
+    l_i = l_i * alpha + tl.sum(weight, 0)
+    return acc, m_new, l_i

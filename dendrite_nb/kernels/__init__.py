@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .gemv import gemv, gemv_of_partials
-from .merge import Partials
+from .gemv import gemv
 from .norm import add_rms_norm, rms_norm
 from .pdl import INTERPRETED
-from .products import linear, linear_silu_mul, merges_partials, norm_linear, product_kernel
+from .products import linear, linear_silu_mul, norm_linear, product_kernel
 from .rope import rope_qk
 from .skinny import skinny
 from .swiglu import silu_mul
@@ -29,6 +28,5 @@ def unavailable_reason(device: torch.device) -> str | None:
             f"imported, which is for tests)")
 
 
-__all__ = ["INTERPRETED", "Partials", "add_rms_norm", "gemv", "gemv_of_partials", "linear", "linear_silu_mul",
-           "merges_partials", "norm_linear", "product_kernel", "rms_norm", "rope_qk", "silu_mul", "skinny",
-           "unavailable_reason"]
+__all__ = ["INTERPRETED", "add_rms_norm", "gemv", "linear", "linear_silu_mul", "norm_linear", "product_kernel",
+           "rms_norm", "rope_qk", "silu_mul", "skinny", "unavailable_reason"]

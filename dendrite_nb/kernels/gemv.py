@@ -23,15 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import Partials, merged_heads
 from .pdl import pdl_arguments, wait_for_inputs
 from .swiglu import silu_times_up
 
 MAX_ROWS = 4  # the most rows gemv() takes
-# gemv_of_partials' (BLOCK_N, BLOCK_K, num_warps, num_stages) where the call names none; None: default_config's.
-# Every program merges all of its row's partials, so fewer, wider programs read less from L2 (benchmarks/
-# tune_one_tile.py times the choices).
-PARTIALS_CONFIG: tuple[int, int, int, int] | None = None
 ACC_ELEMENTS = 8192  # BLOCK_N x BLOCK_K float32 accumulators per program (64 registers a thread at 4 warps)
 
 
@@ -59,40 +54,13 @@ def _weight_tile(w_rows, up_offset, k, mask, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _input_chunk(x_row, res_row, nw_ptr, k0, k, k_valid, rstd, first_slots, first, last, SLOTS, OUT_P,
-                 LSE_P, stride_ps, stride_ph, NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr,
-                 MERGE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_H: tl.constexpr,
-                 MERGE_S: tl.constexpr):
-    """x[k] (k = k0 + arange(BLOCK_K)) in float32: _normed_chunk's, or with MERGE the MERGE_H attention heads
-    from column k0 (a head's first), merged from their partials and rounded to dtype as the merge kernel stores
-    them."""
-    if MERGE:
-        h = k0 // HEAD_DIM + tl.arange(0, MERGE_H)
-        merged = merged_heads(first_slots, first, last, SLOTS, h, h < NUM_HEADS, tl.arange(0, HEAD_DIM), OUT_P,
-                              LSE_P, stride_ps, stride_ph, NUM_HEADS, MERGE_H, HEAD_DIM, MERGE_S)
-        return tl.reshape(merged.to(dtype).to(tl.float32), [MERGE_H * HEAD_DIM])
-    return _normed_chunk(x_row, res_row, nw_ptr, k, k_valid, rstd, NORM, RESIDUAL, dtype)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
                  stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
-                 OUT_P, LSE_P, SLOT_INDPTR, SLOTS, stride_ps, stride_ph,
                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr = False,
-                 NUM_HEADS: tl.constexpr = 1, HEAD_DIM: tl.constexpr = 1, MERGE_S: tl.constexpr = 1):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # N: output features (with SWIGLU, the intermediate size; W then has 2N rows, gate above up).
-    # MERGE: x is not read; row `row`'s input is its attention merged from partials (gemv_of_partials).
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
-    first = 0
-    last = 0
-    first_slots = tl.zeros([MERGE_S], tl.int64)
-    if MERGE:  # the row's slots are plan data, which no kernel writes: loaded before the wait too
-        first = tl.load(SLOT_INDPTR + row)
-        last = tl.load(SLOT_INDPTR + row + 1)
-        s = first + tl.arange(0, MERGE_S)
-        first_slots = tl.load(SLOTS + s, mask=s < last, other=0).to(tl.int64)
     dtype = y_ptr.dtype.element_ty
     x_row = x_ptr + row * stride_xm
     res_row = res_ptr + row * stride_rm
@@ -121,22 +89,16 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
                 tl.store(sum_ptr + row * stride_sm + k, x.to(dtype), mask=k_valid & (k * 0 + pid_n == 0))
             squares += x * x
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
-    x = _input_chunk(x_row, res_row, nw_ptr, 0, k_first, k_first < K, rstd, first_slots, first, last, SLOTS,
-                     OUT_P, LSE_P, stride_ps, stride_ph, NORM, RESIDUAL, dtype, MERGE, NUM_HEADS, HEAD_DIM,
-                     BLOCK_K // HEAD_DIM, MERGE_S)
+    x = _normed_chunk(x_row, res_row, nw_ptr, k_first, k_first < K, rstd, NORM, RESIDUAL, dtype)
     acc = w_first.to(tl.float32) * x[None, :]
     acc_up = up_first.to(tl.float32) * x[None, :]  # SWIGLU only; dead code otherwise
-    x = _input_chunk(x_row, res_row, nw_ptr, BLOCK_K, k_second, k_second < K, rstd, first_slots, first, last,
-                     SLOTS, OUT_P, LSE_P, stride_ps, stride_ph, NORM, RESIDUAL, dtype, MERGE, NUM_HEADS, HEAD_DIM,
-                     BLOCK_K // HEAD_DIM, MERGE_S)
+    x = _normed_chunk(x_row, res_row, nw_ptr, k_second, k_second < K, rstd, NORM, RESIDUAL, dtype)
     acc += w_second.to(tl.float32) * x[None, :]
     acc_up += up_second.to(tl.float32) * x[None, :]
     for k0 in range(2 * BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_valid = k < K
-        x = _input_chunk(x_row, res_row, nw_ptr, k0, k, k_valid, rstd, first_slots, first, last, SLOTS, OUT_P,
-                         LSE_P, stride_ps, stride_ph, NORM, RESIDUAL, dtype, MERGE, NUM_HEADS, HEAD_DIM,
-                         BLOCK_K // HEAD_DIM, MERGE_S)
+        x = _normed_chunk(x_row, res_row, nw_ptr, k, k_valid, rstd, NORM, RESIDUAL, dtype)
         w, up = _weight_tile(w_rows, N * stride_wn, k, n_valid[:, None] & k_valid[None, :], SWIGLU)
         acc += w.to(tl.float32) * x[None, :]
         if SWIGLU:
@@ -210,43 +172,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         summed if summed is not None else y, weight, bias if bias is not None else weight, y, out_features, width,
         x.stride(0), residual.stride(0) if residual is not None else 0, summed.stride(0) if summed is not None else 0,
-        weight.stride(0), y.stride(0), eps, x, x, x, x, 0, 0, HAS_BIAS=bias is not None, NORM=norm is not None,
+        weight.stride(0), y.stride(0), eps, HAS_BIAS=bias is not None, NORM=norm is not None,
         RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, **pdl_arguments(x))
     if norm is None:
         return y
     return y, (summed if summed is not None else x)
-
-
-def gemv_of_partials(partials: Partials, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """merge(partials) [M, heads * head_dim] @ weight [N, heads * head_dim].T (+ bias) -> [M, N] in weight's
-    dtype, in one launch: each program merges the attention partials itself (kernels/merge.py, rounded to the
-    dtype as the merge kernel rounds them) and reads them as its x, so the merge's own launch goes away.
-
-    Each program reads every partial of its row (from L2), so this pays where a row has few slots: one-row
-    decode steps with a few KV tiles (the attention backend decides, attention/triton_backend.py). Like gemv,
-    it loads weight before waiting for the kernel before it; the partials and lse it reads after."""
-    rows = partials.tokens
-    slots, heads, head_dim = partials.out.shape
-    width = heads * head_dim
-    if rows > MAX_ROWS or weight.shape[1] != width or weight.stride(1) != 1 or partials.lse.shape != (slots, heads):
-        raise ValueError(f"gemv_of_partials takes at most {MAX_ROWS} rows of partials [slots, heads, head_dim] "
-                         f"with lse [slots, heads] and a weight [N, heads * head_dim] with contiguous rows; got "
-                         f"{rows} rows, partials {tuple(partials.out.shape)}, lse {tuple(partials.lse.shape)}, "
-                         f"weight {tuple(weight.shape)} (strides {weight.stride()}).")
-    out_features = weight.shape[0]
-    y = weight.new_empty(rows, out_features)
-    block_n, block_k, warps, stages = config or PARTIALS_CONFIG or default_config(out_features, width)
-    block_k = max(block_k, triton.next_power_of_2(head_dim))  # whole heads a chunk
-    if block_k % head_dim:
-        raise ValueError(f"gemv_of_partials reads whole heads a chunk; head_dim {head_dim} does not divide the "
-                         f"chunk of {block_k} columns.")
-    out = partials.out
-    _gemv_kernel[(triton.cdiv(out_features, block_n), rows)](
-        y, y, y, y, weight, bias if bias is not None else weight, y, out_features, width, 0, 0, 0,
-        weight.stride(0), y.stride(0), 0.0, out, partials.lse, partials.slot_indptr, partials.slots,
-        out.stride(0), out.stride(1), HAS_BIAS=bias is not None, NORM=False, RESIDUAL=False, SWIGLU=False,
-        BLOCK_N=block_n, BLOCK_K=block_k, MERGE=True, NUM_HEADS=heads, HEAD_DIM=head_dim,
-        MERGE_S=partials.block_s, num_warps=warps, num_stages=stages, **pdl_arguments(weight))
-    return y

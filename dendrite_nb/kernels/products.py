@@ -62,12 +62,6 @@ def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
     return "skinny" if MIN_ROWS <= rows <= SKINNY_ROWS and not eager_gpu else "cublas"
 
 
-def merges_partials(tokens: int, weight: torch.Tensor) -> bool:
-    """Whether the product of `tokens` rows with `weight` is a gemv, which can merge its input from attention
-    partials itself (gemv_of_partials) where the attention leaves them unmerged."""
-    return tokens <= GEMV_ROWS and weight.stride(1) == 1
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through gemv or skinny for a decode step of few rows."""
     kernel = product_kernel(x, weight)

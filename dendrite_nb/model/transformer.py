@@ -87,7 +87,7 @@ class Attention(nn.Module):
     def forward_fused(self, x, residual, norm, cos, sin, kv, backend, plan) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention output, x + residual): `norm` (the layer's input RMSNorm) runs on x + residual inside
         the q/k/v projection's kernel where the step is a GEMV, before it otherwise."""
-        from ..kernels import gemv_of_partials, linear, merges_partials, norm_linear, rope_qk
+        from ..kernels import linear, norm_linear, rope_qk
 
         heads, kv_heads, head_dim = self.shape
         tokens = x.shape[0]
@@ -97,11 +97,6 @@ class Attention(nn.Module):
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, heads | kv_heads, head_dim]
         qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
         eps = self.q_norm.eps if qk_norm is not None else 0.0
-        partials_with_rope = getattr(backend, "partials_with_rope", None)  # triton: the merge left to o_proj
-        if partials_with_rope is not None and merges_partials(tokens, self.o_proj.weight):
-            partials = partials_with_rope(plan, kv, q, k, v, cos, sin, qk_norm, eps)
-            if partials is not None:
-                return gemv_of_partials(partials, self.o_proj.weight, self.o_proj.bias), residual
         attend_with_rope = getattr(backend, "attend_with_rope", None)  # a backend that fuses them (triton)
         if attend_with_rope is not None:
             out = attend_with_rope(plan, kv, q, k, v, cos, sin, qk_norm, eps)  # [T, heads, head_dim]
