@@ -31,6 +31,9 @@ SMOKE_SWEPT = [Scenario("a", 64, ((3, 17),), None)]
 
 VARIANTS = [
     ("default", {}),
+    # Partial outputs in bf16: half the bytes written by every chunk of a shared prefix and read back by the merge.
+    ("bf16 partials", {"low_precision_partials": True}),
+    ("bf16 partials, programs/SM 3", {"low_precision_partials": True, "programs_per_sm": 3}),
     ("programs/SM 1", {"programs_per_sm": 1}),
     ("programs/SM 3", {"programs_per_sm": 3}),
     ("tiles 32/64/128", {"tile_widths": (32, 64, 128)}),

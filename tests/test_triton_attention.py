@@ -448,6 +448,25 @@ def test_fused_decode_launch_equals_rope_append_and_attend(device, shape, dtype)
     assert not torch.equal(fused_kv, before.float())  # the step's KV went in
 
 
+def test_partials_are_float32_unless_asked_to_take_the_activations_dtype():
+    """Partial outputs are float32 by default; low_precision_partials stores a bf16 or fp16 model's in its own
+    dtype (half the bytes a shared prefix's chunks write and the merge reads). Log-sum-exps stay float32."""
+    eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=1024,
+                             block_size=4)
+    leaves = random_tree(eng, random.Random(3), leaves=3, depth=2)
+    heads, kv_heads, head_dim = eng.config.num_heads, eng.config.num_kv_heads, eng.config.head_dim
+    for dtype, low_precision, expected in ((torch.bfloat16, False, torch.float32),
+                                           (torch.bfloat16, True, torch.bfloat16),
+                                           (torch.float16, True, torch.float16),
+                                           (torch.float32, True, torch.float32)):
+        backend = TritonAttention(low_precision_partials=low_precision)
+        backend.configure(heads, kv_heads)
+        plan = backend.plan(decode_layout(eng.branch_tree, leaves, min_shared_tokens=1), 4, eng.device)
+        out, lse = backend._scratch(plan, torch.zeros(len(leaves), heads, head_dim, dtype=dtype))
+        assert out.dtype == expected and lse.dtype == torch.float32
+        assert out.shape == (plan.num_slots, heads, head_dim) and lse.shape == (plan.num_slots, heads)
+
+
 def test_fused_decode_launch_is_planned_for_one_row_runs_that_fit_the_gpu():
     """Shared segments, prefills, fp8 caches and steps of more tiles than the GPU's programs keep the general
     kernels; a one-tile plan cuts every run into tiles of the fused launch's BLOCK_N."""

@@ -53,6 +53,13 @@ MERGE_WARPS = 1
 # its tile loaded. BLOCK_N, num_warps:
 ONE_TILE_LAUNCH = (128, 8)
 ONE_TILE_PROGRAMS_PER_SM = 1.5
+# Partial outputs and their log-sum-exps are float32. low_precision_partials=True stores the outputs in the
+# activations' dtype instead (as FlashInfer's merge_state takes them): a long shared prefix writes one per chunk
+# and row (decode_step's (a): 16 MB a layer in float32) and the merge reads them back. Measured on an H100
+# (tune_tree_attention.py --launches, nineteenth session): the merges ran 35-40% faster in bf16, but the
+# 128-wide launch spilled more for the conversion and ran 11% slower, so whole layers were 7-13% slower on
+# tree_attention (i) and (ii) and 2% faster on (a). Not the default.
+LOW_PRECISION_PARTIALS = False
 
 
 def interpreting() -> bool:
@@ -91,13 +98,15 @@ class TritonAttention:
                  programs_per_sm: int = PROGRAMS_PER_SM,
                  merge_block: tuple[int, int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S, MERGE_WARPS),
                  one_tile_launch: tuple[int, int] = ONE_TILE_LAUNCH,
-                 one_tile_programs_per_sm: float = ONE_TILE_PROGRAMS_PER_SM):
+                 one_tile_programs_per_sm: float = ONE_TILE_PROGRAMS_PER_SM,
+                 low_precision_partials: bool = LOW_PRECISION_PARTIALS):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
         self.wide_launch, self.narrow_launch = wide_launch, narrow_launch
         self.wide_block_n, self.short_run_launch = wide_block_n, short_run_launch
         self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
         # one_tile_programs_per_sm=0 keeps every step on the general kernels (benchmarks compare the two).
         self.one_tile_launch, self.one_tile_programs_per_sm = one_tile_launch, one_tile_programs_per_sm
+        self.low_precision_partials = low_precision_partials
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self.fp8_cache = False  # set by configure()
         self._sms: dict[torch.device, int] = {}
@@ -316,15 +325,15 @@ class TritonAttention:
             raise RuntimeError(f"the plan was made for {self.group} query heads per KV head, the model has "
                                f"{group}; call configure(num_heads, num_kv_heads) before planning.")
 
-    @staticmethod
-    def _scratch(plan: TritonPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plan's partial outputs [slots, heads, head_dim] and log2-sum-exps [slots, heads], float32: made by
-        the first layer (a graph's plan: by the warm-up, outside the graph's pool), reused by every layer."""
+    def _scratch(self, plan: TritonPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's partial outputs [slots, heads, head_dim] (float32, or q's dtype: low_precision_partials) and
+        log2-sum-exps [slots, heads] (float32): made by the first layer (a graph's plan: by the warm-up, outside
+        the graph's pool), reused by every layer."""
         scratch = plan.scratch
         if "out" not in scratch:
             num_heads, head_dim = q.shape[1:]
-            scratch["out"] = torch.empty(max(plan.num_slots, 1), num_heads, head_dim, dtype=torch.float32,
-                                         device=q.device)
+            dtype = q.dtype if self.low_precision_partials else torch.float32
+            scratch["out"] = torch.empty(max(plan.num_slots, 1), num_heads, head_dim, dtype=dtype, device=q.device)
             scratch["lse"] = torch.empty(max(plan.num_slots, 1), num_heads, dtype=torch.float32, device=q.device)
         return scratch["out"], scratch["lse"]
 

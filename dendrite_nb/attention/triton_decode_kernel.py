@@ -117,6 +117,6 @@ def decode_tile_attention_kernel(
         else:
             acc = tl.dot(p.to(v.dtype), v)
         out = acc / l_i[:, None]
-        tl.store(OUT_P + slot0.to(tl.int64) * stride_ps + head[:, None] * stride_ph + d[None, :], out,
-                 mask=m_valid[:, None])
+        tl.store(OUT_P + slot0.to(tl.int64) * stride_ps + head[:, None] * stride_ph + d[None, :],
+                 out.to(OUT_P.dtype.element_ty), mask=m_valid[:, None])
         tl.store(LSE_P + slot0.to(tl.int64) * NUM_HEADS + head, m_i + tl.math.log2(l_i), mask=m_valid)

@@ -145,8 +145,8 @@ def segment_attention_kernel(
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         slot_of = (slot0 + row_local).to(tl.int64)
-        tl.store(OUT_P + slot_of[:, None] * stride_ps + head[:, None] * stride_ph + d[None, :], out,
-                 mask=m_valid[:, None])
+        tl.store(OUT_P + slot_of[:, None] * stride_ps + head[:, None] * stride_ph + d[None, :],
+                 out.to(OUT_P.dtype.element_ty), mask=m_valid[:, None])
         tl.store(LSE_P + slot_of * NUM_HEADS + head, lse, mask=m_valid)
     if WAIT_AT_END:
         wait_for_inputs(PDL)
@@ -197,7 +197,7 @@ def _merge_slots(acc, m_i, l_i, slot, s_valid, h, h_valid, d, OUT_P, LSE_P, stri
     sh_valid = s_valid[:, None] & h_valid[None, :]
     lse = tl.load(LSE_P + slot[:, None] * NUM_HEADS + h[None, :], mask=sh_valid, other=float("-inf"))
     part = tl.load(OUT_P + slot[:, None, None] * stride_ps + h[None, :, None] * stride_ph + d[None, None, :],
-                   mask=sh_valid[:, :, None], other=0.0)  # [BLOCK_S, BLOCK_H, D]
+                   mask=sh_valid[:, :, None], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_H, D]
     m_new = tl.maximum(m_i, tl.max(lse, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads with nothing visible yet
     alpha = tl.math.exp2(m_i - m_safe)
