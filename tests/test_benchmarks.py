@@ -142,9 +142,9 @@ def test_prefill_chunks(run):
 
 def test_gpu_diagnostics_name_what_exists(monkeypatch):
     """profile_step.py, tune_skinny.py, eager_products.py, probe_step_graph.py, probe_prefix_prefill.py and
-    tune_one_tile.py run on a GPU only, and tune_tree_attention.py's real sweeps too (its smoke run is the next test); here, every function
-    they time, every attention variant they build and the captured graph's parts the probe replays must still
-    exist, so a rename breaks this test, not the GPU run."""
+    tune_one_tile.py run on a GPU only, and tune_tree_attention.py's real sweeps too (its smoke run is the next
+    test); here, every function they time, every attention variant they build and the captured graph's parts the
+    probe replays must still exist, so a rename breaks this test, not the GPU run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     pytest.importorskip("triton")
     profile_step = importlib.import_module("profile_step")
