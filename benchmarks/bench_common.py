@@ -24,6 +24,7 @@ import torch
 
 from dendrite_nb import Engine
 from dendrite_nb.attention import unavailable_reason
+from dendrite_nb.kv import KVPool
 from dendrite_nb.model.config import ModelConfig
 from dendrite_nb.model.loader import random_model
 from dendrite_nb.model.transformer import CausalLM
@@ -267,7 +268,8 @@ def model_costs(model: CausalLM, kv_dtype: torch.dtype) -> ModelCosts:
         weight_bytes=weight_bytes,
         layer_params=layer_params,
         head_params=model.lm_head.weight.numel(),
-        kv_bytes_per_token=config.kv_bytes_per_token * torch.finfo(kv_dtype).bits // 8,
+        kv_bytes_per_token=KVPool.block_bytes(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                                              head_dim=config.head_dim, block_size=1, dtype=kv_dtype),  # fp8: + scales
         attention_flops_per_pair=4 * config.num_layers * config.num_heads * config.head_dim,
     )
 

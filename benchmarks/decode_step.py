@@ -20,7 +20,10 @@ repeated to the batch, then the leaves' own tokens).
 One model per case is built once; each variant is an Engine over it, rebuilt only for its own KV pool.
 
     python benchmarks/decode_step.py [--cases a b] [--steps 20] [--warmup 1] [--no-hf] [--graphs-only] [--json PATH]
-                                     [--smoke]
+                                     [--kv-dtype fp8] [--smoke]
+
+--kv-dtype fp8 runs the engines over an e4m3 cache (scales included in the floor's bytes); the transformers peer
+keeps its bf16 cache.
 """
 from __future__ import annotations
 
@@ -73,11 +76,11 @@ def num_blocks(case: Case, extra_tokens: int) -> int:
 
 
 def engine_step_seconds(model, setup: Setup, attention: str, graphs: bool | None, case: Case, prefix_ids,
-                        own_ids, steps: int, warmup: int, fused_decode: bool = True,
+                        own_ids, steps: int, warmup: int, fused_decode: bool = True, kv_dtype: str | None = None,
                         ) -> tuple[tuple[list[float], list[float]] | None, str | None]:
     """((seconds per step inside generate(leaves, steps), per call), seconds per generate(leaves, 1) call).
     fused_decode=False: the triton backend never takes the one-launch decode kernel."""
-    engine, reason = engine_variant(model, setup, attention, graphs, block_size=BLOCK_SIZE,
+    engine, reason = engine_variant(model, setup, attention, graphs, block_size=BLOCK_SIZE, kv_dtype=kv_dtype,
                                     num_blocks=num_blocks(case, warmup * steps + CALLS * steps + steps + 1))
     if engine is None:
         return None, reason
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     arguments.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     arguments.add_argument("--graphs-only", action="store_true",
                            help="only the variants with CUDA graphs (the eager ones take minutes at 8B)")
+    arguments.add_argument("--kv-dtype", choices=["fp8"], default=None, help="the engines' KV cache dtype "
+                           "(default: the model's, bf16)")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     steps = args.steps or (3 if setup.smoke else 20)
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         hf_config = setup.hf_config(case.shape)
         case_label = f"({key}) {setup.shape_name(case.shape)}"
         model = build_model(setup, hf_config)
-        costs = model_costs(model, setup.dtype)
+        costs = model_costs(model, torch.float8_e4m3fn if args.kv_dtype else setup.dtype)
         vocab = model.config.vocab_size
         prefix_ids = random_ids(case.prefix, vocab, seed=1)
         own_ids = random_ids(case.own, vocab, seed=2, rows=case.leaves) if case.leaves > 1 else []
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         kv_bytes = costs.kv_bytes(case.prefix + case.leaves * own_mid)
         flops = case.leaves * costs.prefill_flops(1, context - 1)
         floor_s = floors.seconds(costs.weight_bytes + kv_bytes, flops)
-        log(f"\n{case_label}, {case.describe()}: weights {costs.weight_bytes / 1e9:.2f} GB + KV read once "
+        log(f"\n{case_label}, {case.describe()}{', fp8 KV' if args.kv_dtype else ''}: weights "
+            f"{costs.weight_bytes / 1e9:.2f} GB + KV read once "
             f"{kv_bytes / 1e9:.3f} GB -> floor {floor_s * 1e3:.3f} ms "
             f"(FLOPs alone {flops / floors.matmul_flop_per_s * 1e3:.3f} ms)")
         target = f"<= {case.target:g}x"
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.no_hf:
             hf_reason = "skipped (--no-hf)"
         else:
-            cache_bytes = costs.kv_bytes(case.leaves * (context + warmup + hf_steps + 2))
+            cache_bytes = model_costs(model, setup.dtype).kv_bytes(case.leaves * (context + warmup + hf_steps + 2))
             hf_times, hf_reason = hf_step_seconds(model, hf_config, setup, case, prefix_ids, own_ids, hf_steps,
                                                   warmup=2 if not setup.smoke else 1, cache_bytes=cache_bytes)
             free_memory(setup.device)   # the peer's cache, before the engines' pools
@@ -180,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "graphs": {True: "on", False: "off", None: "off"}[graphs], "target": target}
             general = attention == GENERAL_ATTENTION_LABEL
             measured, reason = engine_step_seconds(model, setup, "triton" if general else attention, graphs, case,
-                                                   prefix_ids, own_ids, steps, warmup, fused_decode=not general)
+                                                   prefix_ids, own_ids, steps, warmup, fused_decode=not general,
+                                                   kv_dtype=args.kv_dtype)
             free_memory(setup.device)   # this variant's pool (and graphs), before the next one's
             if measured is None:
                 log(f"  {attention:>10} graphs {label['graphs']:>3}: unavailable: {reason}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.pdl import pdl_arguments
+from ..kv.fp8 import INV_FP8_MAX, MIN_SCALE
 from .base import BatchLayout, LayerKV
 from .triton_kernels import ITEM_COLS
 from .triton_plan import HostPlan, PlanShape, build_host_plan
@@ -108,7 +109,6 @@ class TritonAttention:
         self.one_tile_launch, self.one_tile_programs_per_sm = one_tile_launch, one_tile_programs_per_sm
         self.low_precision_partials = low_precision_partials
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
-        self.fp8_cache = False  # set by configure()
         self._sms: dict[torch.device, int] = {}
         # Plan for a GPU of this many multiprocessors instead of the device's (benchmarks/host_step.py times
         # a GPU's plans on the CPU, where the interpreter's small chunks would make them far larger).
@@ -178,8 +178,8 @@ class TritonAttention:
 
     def _fits_one_tile(self, layout: BatchLayout, runs: list[tuple], device: torch.device) -> bool:
         """Whether a step goes to the fused decode kernel: a decode step whose runs each have one row, few
-        enough tiles for the GPU (the interpreter takes any number, so tests reach the kernel), a cache not fp8."""
-        if (self.one_tile_programs_per_sm <= 0 or self.fp8_cache or not layout.is_decode
+        enough tiles for the GPU (the interpreter takes any number, so tests reach the kernel)."""
+        if (self.one_tile_programs_per_sm <= 0 or not layout.is_decode
                 or any(len(run[0]) != 1 for run in runs)):
             return False
         if self.multiprocessors is None and device.type != "cuda":
@@ -248,11 +248,11 @@ class TritonAttention:
     def attend_with_rope(self, plan: TritonPlan, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, norm_weights, eps: float) -> torch.Tensor:
         """RoPE (after Qwen3's q/k norms where norm_weights are given) on the step's q and k, the KV append, and
-        the attention -> [T, heads, head_dim]. A one-tile decode plan over a cache that is not fp8 takes two
-        launches (triton_decode_kernel.py, then the merge); any other, three (rope_and_append, then attend).
+        the attention -> [T, heads, head_dim]. A one-tile decode plan takes two launches (triton_decode_kernel.py,
+        quantising to fp8 where the cache is; then the merge); any other, three (rope_and_append, then attend).
         q, k, v [T, heads | kv_heads, head_dim] are the raw projections; the two-launch path leaves them as
         they are, the other rotates q and k in place."""
-        if not plan.one_tile or kv.k_scale is not None:
+        if not plan.one_tile:
             self.rope_and_append(plan, kv, q, k, v, cos, sin, norm_weights, eps)
             return self.attend(plan, q, kv)
         return self._attend_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
@@ -270,14 +270,16 @@ class TritonAttention:
         partial, lse = self._scratch(plan, q)
         (launch,) = plan.launches  # one row per item: every item is of the narrowest width
         q_norm, k_norm = norm_weights if norm_weights is not None else (cos, cos)  # unread without norms
+        ks, vs, stride_sb, stride_st = _scale_arguments(kv, partial)
         decode_tile_attention_kernel[(launch.items.shape[0], kv_heads)](
-            q, k, v, cos, sin, q_norm, k_norm, kv.k, kv.v, partial, lse, launch.items, plan.entry_rows,
+            q, k, v, cos, sin, q_norm, k_norm, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows,
             plan.entry_pos, plan.block_ids, plan.slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            cos.stride(0), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), partial.stride(0), partial.stride(1),
-            head_dim ** -0.5 * LOG2E, eps,
+            cos.stride(0), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
+            partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E, eps,
             NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
             BLOCK_M=max(16, triton_next_pow2(self.group)), BLOCK_N=self._one_tile_block_n(),
-            HAS_NORM=norm_weights is not None, IEEE=q.dtype == torch.float32, num_warps=self.one_tile_launch[1],
+            HAS_NORM=norm_weights is not None, FP8=kv.k_scale is not None, INV_MAX=INV_FP8_MAX,
+            SCALE_FLOOR=MIN_SCALE, IEEE=q.dtype == torch.float32, num_warps=self.one_tile_launch[1],
             **pdl_arguments(q),
         )
         return self.merge(plan, q)
@@ -297,9 +299,7 @@ class TritonAttention:
         kv_heads = kv.k.shape[2]
         partial, lse = self._scratch(plan, q)
         fp8 = kv.k_scale is not None
-        ks = kv.k_scale if fp8 else partial  # any tensor: never read without FP8
-        vs = kv.v_scale if fp8 else partial
-        stride_sb, stride_st = (ks.stride(0), ks.stride(1)) if fp8 else (0, 0)
+        ks, vs, stride_sb, stride_st = _scale_arguments(kv, partial)
         compiled = []
         for index, launch in enumerate(plan.launches):
             if launch.short:
@@ -356,11 +356,17 @@ class TritonAttention:
         )
         return out
 
-    def configure(self, num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype | None = None) -> None:
-        """Tell the planner the model's head layout (rows per tile depend on the GQA group size) and the cache's
-        dtype (an fp8 cache keeps its quantising append, so its steps are never planned for the fused launch)."""
+    def configure(self, num_heads: int, num_kv_heads: int) -> None:
+        """Tell the planner the model's head layout: rows per tile depend on the GQA group size."""
         self.group, self.num_kv_heads = num_heads // num_kv_heads, num_kv_heads
-        self.fp8_cache = kv_dtype == torch.float8_e4m3fn
+
+
+def _scale_arguments(kv: LayerKV, stand_in: torch.Tensor) -> tuple:
+    """(k scales, v scales, block stride, slot stride) of an fp8 cache; for any other, a stand-in tensor that the
+    kernels never read (FP8 is a constexpr) and zero strides."""
+    if kv.k_scale is None:
+        return stand_in, stand_in, 0, 0
+    return kv.k_scale, kv.v_scale, kv.k_scale.stride(0), kv.k_scale.stride(1)
 
 
 def triton_next_pow2(n: int) -> int:

@@ -12,6 +12,9 @@ Program (item, KV head):
   The tile is the program's whole run, so the loads need no loop to overlap the kernel before.
 - After it: the row's query heads of this KV head, normed and rotated in registers. If the new token's
   position falls in the tile, its k (normed, rotated) and v go into the cache slot and into the tile.
+  An fp8 cache: the tile's scales load before the wait too; the new k and v are quantised as
+  kernels/kv_append.py quantises them (the same bytes up to the last bit of the norm's sum), their scales
+  stored beside them, and the scores and probabilities are scaled as segment_attention_kernel scales them.
 - The tile's attention gives a normalised partial and its log2-sum-exp, written to the plan's scratch
   slot as segment_attention_kernel writes them.
 
@@ -46,16 +49,18 @@ def _normed_rotated_heads(ptr, head_offsets, mask, d, d_partner, cos, sin, sign,
 
 @triton.jit
 def decode_tile_attention_kernel(
-    Q, K_NEW, V_NEW, COS, SIN, Q_NORM, K_NORM, K, V, OUT_P, LSE_P, ITEMS, ENTRY_ROWS, ENTRY_POS, BLOCK_IDS,
-    SLOT_MAPPING,
+    Q, K_NEW, V_NEW, COS, SIN, Q_NORM, K_NORM, K, V, KS, VS, OUT_P, LSE_P, ITEMS, ENTRY_ROWS, ENTRY_POS,
+    BLOCK_IDS, SLOT_MAPPING,
     stride_qt, stride_qh,  # q [T, heads, D]: the raw projection (before norm and RoPE)
     stride_nt, stride_nh,  # the raw k and v [T, kv_heads, D] (views into the same q/k/v product)
     stride_ct,  # the RoPE table cos/sin [T, D]
     stride_kb, stride_kt, stride_kh,  # k/v caches [blocks, BS, kv_heads, D]
+    stride_sb, stride_st,  # fp8 scales [blocks, BS, kv_heads] (read only where FP8)
     stride_ps, stride_ph,  # partial outputs [slots, heads, D]; lse [slots, heads] is contiguous
     qk_scale, eps,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr, INV_MAX: tl.constexpr,
+    SCALE_FLOOR: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,6 +77,12 @@ def decode_tile_attention_kernel(
     old = (in_run & ~is_new)[:, None]
     k = tl.load(K + at[:, None] + d[None, :], mask=old, other=0.0)
     v = tl.load(V + at[:, None] + d[None, :], mask=old, other=0.0)
+    if FP8:  # past-the-end scales may be anything (NaN included): never read them
+        scale_at = block.to(tl.int64) * stride_sb + (pos % BS) * stride_st + kv_head
+        k_s = tl.load(KS + scale_at, mask=in_run & ~is_new, other=0.0)
+        v_s = tl.load(VS + scale_at, mask=in_run & ~is_new, other=0.0)
+    else:
+        k_s, v_s = 0.0, 0.0  # unread
     half: tl.constexpr = HEAD_DIM // 2
     d_partner = (d + half) % HEAD_DIM
     sign = tl.where(d < half, -1.0, 1.0)
@@ -98,20 +109,39 @@ def decode_tile_attention_kernel(
                                       cos, sin, sign, k_w, k_w_partner, eps, HEAD_DIM, HAS_NORM, dtype)
         v_new = tl.load(V_NEW + row * stride_nt + kv_head * stride_nh + one[:, None] + d[None, :]).to(tl.float32)
         cache_dtype = K.dtype.element_ty
+        if FP8:  # as kernels/kv_append.py quantises: the rotated k as rope_qk stores it, then amax / 448
+            k_new = k_new.to(dtype).to(tl.float32)
+            k_new_s = tl.maximum(tl.max(tl.abs(k_new)) * INV_MAX, SCALE_FLOOR)
+            v_new_s = tl.maximum(tl.max(tl.abs(v_new)) * INV_MAX, SCALE_FLOOR)
+            k_new = tl.math.div_rn(k_new, k_new_s)  # IEEE division, as kv_append (its comment says why)
+            v_new = tl.math.div_rn(v_new, v_new_s)
+            k_s = tl.where(is_new, k_new_s, k_s)
+            v_s = tl.where(is_new, v_new_s, v_s)
         if (kv_start <= q_pos) & (q_pos < kv_end):  # the step's token lies in this tile: this program appends it
             new_at = (new_slot // BS) * stride_kb + (new_slot % BS) * stride_kt + kv_head * stride_kh
             tl.store(K + new_at + one[:, None] + d[None, :], k_new.to(cache_dtype))
             tl.store(V + new_at + one[:, None] + d[None, :], v_new.to(cache_dtype))
+            if FP8:
+                new_scale_at = (new_slot // BS) * stride_sb + (new_slot % BS) * stride_st + kv_head
+                tl.store(KS + new_scale_at, k_new_s)
+                tl.store(VS + new_scale_at, v_new_s)
         k = tl.where(is_new[:, None], k_new.to(cache_dtype), k)
         v = tl.where(is_new[:, None], v_new.to(cache_dtype), v)
+        if FP8:  # e4m3 values are exact in any activation dtype; the scales multiply the scores and p
+            k = k.to(dtype)
+            v = v.to(dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if FP8:
+            s = s * k_s[None, :]
         s = tl.where(in_run[None, :], s * qk_scale, float("-inf"))
         m_i = tl.max(s, 1)  # every row sees position kv_start at least: finite
         p = tl.math.exp2(s - m_i[:, None])
         l_i = tl.sum(p, 1)
+        if FP8:
+            p = p * v_s[None, :]
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

@@ -52,9 +52,9 @@ def _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, b
     else:
         k = tl.load(K + slot[:, None] + d[None, :])
         v = tl.load(V + slot[:, None] + d[None, :])
-    if FP8:
-        k = k.to(tl.bfloat16)
-        v = v.to(tl.bfloat16)
+    if FP8:  # e4m3 values are exact in every activation dtype; the scales multiply the scores and p
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -125,8 +125,6 @@ def segment_attention_kernel(
     if num_rows > 0:
         q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=m_valid[:, None], other=0.0)
-        if FP8:
-            q = q.to(tl.bfloat16)
         # Steps below `full_end` see only positions every row may attend (a decode run: all of it but the
         # tail); they run without masks. The rest, the tail and a prefill tile's diagonal, run masked.
         full_end = kv_start + tl.maximum(seen_by_all - kv_start, 0) // BLOCK_N * BLOCK_N
