@@ -125,15 +125,16 @@ def decode_tile_attention_kernel(
                 new_scale_at = (new_slot // BS) * stride_sb + (new_slot % BS) * stride_st + kv_head
                 tl.store(KS + new_scale_at, k_new_s)
                 tl.store(VS + new_scale_at, v_new_s)
-        k = tl.where(is_new[:, None], k_new.to(cache_dtype), k)
-        v = tl.where(is_new[:, None], v_new.to(cache_dtype), v)
+        # New names: a value from before this runtime `if` may not change type inside it (fp8 -> dtype).
+        k_tile = tl.where(is_new[:, None], k_new.to(cache_dtype), k)
+        v_tile = tl.where(is_new[:, None], v_new.to(cache_dtype), v)
         if FP8:  # e4m3 values are exact in any activation dtype; the scales multiply the scores and p
-            k = k.to(dtype)
-            v = v.to(dtype)
+            k_tile = k_tile.to(dtype)
+            v_tile = v_tile.to(dtype)
         if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.dot(q, tl.trans(k_tile), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k_tile))
         if FP8:
             s = s * k_s[None, :]
         s = tl.where(in_run[None, :], s * qk_scale, float("-inf"))
@@ -143,9 +144,9 @@ def decode_tile_attention_kernel(
         if FP8:
             p = p * v_s[None, :]
         if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = tl.dot(p.to(v_tile.dtype), v_tile, input_precision="ieee")
         else:
-            acc = tl.dot(p.to(v.dtype), v)
+            acc = tl.dot(p.to(v_tile.dtype), v_tile)
         out = acc / l_i[:, None]
         tl.store(OUT_P + slot0.to(tl.int64) * stride_ps + head[:, None] * stride_ph + d[None, :],
                  out.to(OUT_P.dtype.element_ty), mask=m_valid[:, None])
