@@ -457,7 +457,11 @@ def test_fused_decode_launch_equals_rope_append_and_attend(device, shape, dtype,
         step = 32 * torch.maximum(fused_scales, general_scales)[..., None] * (1 + 1e-5)
         assert ((fused_kv.float() * fused_scales[..., None] - general_kv.float() * general_scales[..., None]).abs()
                 <= step).all()
-        assert (fused_kv.view(torch.uint8) != general_kv.view(torch.uint8)).sum() <= 2
+        # bf16 k rounds to the nearest bf16 after the norm, so those last bits become whole bf16 steps: a few
+        # values of the step's new K land across a boundary (4 of 640 seen on an H100); a quantisation that
+        # rounded the wrong way would move about half of them.
+        written = len(leaves) * 2 * kv_heads * eng.config.head_dim
+        assert (fused_kv.view(torch.uint8) != general_kv.view(torch.uint8)).sum() <= 0.05 * written
     else:
         assert (fused_pool[0].float() - general_pool[0].float()).abs().max() < tolerance
     assert not torch.equal(fused_pool[0].view(torch.uint8), before[0].view(torch.uint8))  # the step's KV went in

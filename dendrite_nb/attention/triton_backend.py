@@ -258,6 +258,7 @@ class TritonAttention:
         return self._attend_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
 
     def _attend_one_tile(self, plan, kv, q, k, v, cos, sin, norm_weights, eps) -> torch.Tensor:
+        from ..kernels.rope import UNFUSED_FLOAT_OPS
         from .triton_kernels import LOG2E
         from .triton_decode_kernel import decode_tile_attention_kernel
 
@@ -280,7 +281,7 @@ class TritonAttention:
             BLOCK_M=max(16, triton_next_pow2(self.group)), BLOCK_N=self._one_tile_block_n(),
             HAS_NORM=norm_weights is not None, FP8=kv.k_scale is not None, INV_MAX=INV_FP8_MAX,
             SCALE_FLOOR=MIN_SCALE, IEEE=q.dtype == torch.float32, num_warps=self.one_tile_launch[1],
-            **pdl_arguments(q),
+            **UNFUSED_FLOAT_OPS, **pdl_arguments(q),
         )
         return self.merge(plan, q)
 

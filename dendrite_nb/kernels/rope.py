@@ -15,6 +15,12 @@ import triton.language as tl
 
 from .pdl import pdl_arguments, wait_for_inputs
 
+# Launch option for kernels that rotate: no mul + add contracted into an FMA. An FMA rounds x * cos + y once where
+# torch's eager ops round each product and the sum, so a float32 model's rotated k (and with it an fp8 scale,
+# amax / 448) would differ from the reference's in its last bit. bf16 and fp16 round each product explicitly
+# (`rotated`), which no contraction crosses.
+UNFUSED_FLOAT_OPS = {"enable_fp_fusion": False}
+
 
 @triton.jit
 def rms_normed(x, rstd, weight, dtype: tl.constexpr):
@@ -158,5 +164,5 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         v, v.stride(0), v.stride(1), k_cache, v_cache, slots, k_cache.shape[1] if append is not None else 1,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HALF=half, HAS_NORM=norm_weights is not None, APPEND=append is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d <= 1024 else 8, **pdl_arguments(q))
+        num_warps=4 if block_h * block_d <= 1024 else 8, **UNFUSED_FLOAT_OPS, **pdl_arguments(q))
     return q_out, k_out
