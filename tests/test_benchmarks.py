@@ -100,6 +100,19 @@ def test_fork_decode(run):
     assert "PASS" in next(line for line in payload["notes"] if line.startswith("blocks after"))
 
 
+def test_cpu_sampling(run):
+    """Each row count has the engine's draw and its two peers, each next to a positive floor."""
+    payload, _ = run("cpu_sampling")
+    table = rows(payload)
+    assert {(r["rows"], r["variant"]) for r in table} == {(str(n), v) for n in (1, 4)
+                                                         for v in ("engine", "race, exponential_", "multinomial")}
+    for row in table:
+        assert row["ms"] > 0 and row["floor_ms"] > 0
+        assert math.isclose(row["ms_per_row"] * int(row["rows"]), row["ms"])
+        if row["variant"] == "engine":
+            assert row["vs_engine"] == 1.0
+
+
 def test_tree_of_thought(run):
     payload, printed = run("tree_of_thought", "--shapes", "qwen3-0.6b")
     systems = {r["system"]: r for r in rows(payload)}
