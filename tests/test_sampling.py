@@ -45,6 +45,23 @@ def test_sampling_follows_the_softmax_distribution():
     assert (frequencies - probs).abs().max() < 0.015
 
 
+def test_exponential_noise_is_finite_and_positive_even_where_the_uniform_draw_is_zero():
+    """Exp(1) is drawn as -log(u); uniform_ returns exactly 0 about once in 2^24 draws (seed 1 does, in row 1
+    below), which unclamped gives inf: a token whose probability is its row's only mass would then score 0 / inf
+    and lose to index 0."""
+    from dendrite_nb.sampling import SMALLEST_UNIFORM, exponential_noise
+
+    generator = torch.Generator().manual_seed(1)
+    like = torch.empty(4, 151_936 * 16)
+    uniform, replay = torch.empty_like(like), torch.Generator().manual_seed(1)  # the same draws, kept
+    for row in range(4):
+        uniform[row].uniform_(generator=replay)
+    assert (uniform == 0).any()  # the case this test is for occurs in these draws
+    noise = exponential_noise(like, [generator] * 4)
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    assert noise[uniform == 0].eq(-torch.log(torch.tensor(SMALLEST_UNIFORM))).all()
+
+
 def test_top_k_and_top_p_never_sample_cut_tokens():
     logits = torch.tensor([[3.0, 2.9, 2.8, -5.0, -6.0, 1.0]])
     generator = torch.Generator().manual_seed(0)
