@@ -1,4 +1,4 @@
-"""Compile the attention and KV-append kernels for a Hopper GPU (sm_90) on a machine without one.
+"""Compile the attention, RoPE and KV-append kernels for a Hopper GPU (sm_90) on a machine without one.
 
 Triton's CPU interpreter, which the CPU tests run the kernels in, does not type-check the code as the compiler
 does: a value whose dtype changes inside a runtime `if`, say, runs there and fails to compile on a GPU. This
@@ -22,14 +22,16 @@ from triton.compiler import ASTSource
 from dendrite_nb.attention.triton_decode_kernel import decode_tile_attention_kernel
 from dendrite_nb.attention.triton_kernels import merge_partials_kernel, segment_attention_kernel
 from dendrite_nb.kernels.kv_append import _append_kv_kernel
+from dendrite_nb.kernels.rope import UNFUSED_FLOAT_OPS, _rope_qk_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOAT_ARGUMENTS = {"qk_scale", "eps"}
 
 
-def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, num_warps: int = 4) -> None:
+def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, options: dict | None = None) -> None:
     """Compile `kernel` with pointer arguments of the given Triton dtypes ("*bf16", ...); every other argument
-    not in `constexprs` is an i32, or an fp32 where FLOAT_ARGUMENTS names it. Raises what the compiler raises."""
+    not in `constexprs` is an i32, or an fp32 where FLOAT_ARGUMENTS names it. options: launch options as the
+    backend passes them (enable_fp_fusion, ...). Raises what the compiler raises."""
     names = list(inspect.signature(kernel.fn).parameters)
     unknown = set(pointers) - set(names) | set(constexprs) - set(names)
     if unknown:
@@ -37,12 +39,12 @@ def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, num_w
     signature = {name: pointers.get(name) or ("constexpr" if name in constexprs else
                                              "fp32" if name in FLOAT_ARGUMENTS else "i32") for name in names}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+    triton.compile(source, target=HOPPER, options={"num_warps": 4, **(options or {})})
 
 
 def variants():
-    """(kernel name, variant, kernel, pointers, constexprs): bf16 and float32 activations, each over its own
-    cache dtype and over fp8, with the launch shapes the backend uses."""
+    """(kernel name, variant, kernel, pointers, constexprs, options): bf16 and float32 activations, each over
+    its own cache dtype and over fp8, with the launch shapes and options the backend uses."""
     for act in ("bf16", "fp32"):
         for cache in (act, "fp8e4nv"):
             fp8 = cache == "fp8e4nv"
@@ -55,27 +57,35 @@ def variants():
                        decode_tile_attention_kernel,
                        {**tables, **caches, "SLOT_MAPPING": "*i32",
                         **{name: f"*{act}" for name in ("Q", "K_NEW", "V_NEW", "COS", "SIN", "Q_NORM", "K_NORM")}},
-                       dict(common, BLOCK_M=16, BLOCK_N=128, HAS_NORM=has_norm, INV_MAX=1 / 448, SCALE_FLOOR=1e-38))
+                       dict(common, BLOCK_M=16, BLOCK_N=128, HAS_NORM=has_norm, INV_MAX=1 / 448, SCALE_FLOOR=1e-38),
+                       UNFUSED_FLOAT_OPS)
             # The 128-row tile's float32 compile takes 40-50 s (ieee products) and types as the 16-row one does.
             for block_m, block_n in ((16, 64), (128, 64)) if act == "bf16" else ((16, 64),):
                 yield ("segment_attention_kernel", f"{act} activations, {cache} cache, {block_m} x {block_n} tiles",
                        segment_attention_kernel, {**tables, **caches, "Q": f"*{act}"},
-                       dict(common, BLOCK_M=block_m, BLOCK_N=block_n, WAIT_AT_END=block_m > 16))
+                       dict(common, BLOCK_M=block_m, BLOCK_N=block_n, WAIT_AT_END=block_m > 16), None)
             yield ("_append_kv_kernel", f"{act} k/v into a {cache} cache", _append_kv_kernel,
                    {"k_ptr": f"*{act}", "v_ptr": f"*{act}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                     "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_ptr": "*i64"},
-                   dict(BLOCK_D=128, QUANTIZE=fp8, INV_MAX=1 / 448, SCALE_FLOOR=1e-38, PDL=True))
+                   dict(BLOCK_D=128, QUANTIZE=fp8, INV_MAX=1 / 448, SCALE_FLOOR=1e-38, PDL=True), None)
         for partials in sorted({"fp32", act}):  # low_precision_partials stores a bf16 model's partials in bf16
             yield ("merge_partials_kernel", f"{partials} partials into {act}", merge_partials_kernel,
                    {"OUT_P": f"*{partials}", "LSE_P": "*fp32", "SLOT_INDPTR": "*i32", "SLOTS": "*i32",
                     "OUT": f"*{act}"},
-                   dict(NUM_HEADS=16, BLOCK_H=16, HEAD_DIM=128, BLOCK_S=4, PDL=True))
+                   dict(NUM_HEADS=16, BLOCK_H=16, HEAD_DIM=128, BLOCK_S=4, PDL=True), None)
+        for has_norm, append in ((True, True), (False, False)):  # the fused append: caches of the model's dtype
+            yield ("_rope_qk_kernel", f"{act}, norms {has_norm}, append {append}", _rope_qk_kernel,
+                   {**{name: f"*{act}" for name in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr",
+                                                    "q_weight_ptr", "k_weight_ptr", "v_ptr", "k_cache_ptr",
+                                                    "v_cache_ptr")}, "slot_ptr": "*i64"},
+                   dict(HALF=64, HAS_NORM=has_norm, APPEND=append, BLOCK_H=16, BLOCK_D=64, PDL=True),
+                   UNFUSED_FLOAT_OPS)
 
 
 def main() -> None:
-    for name, variant, kernel, pointers, constexprs in variants():
+    for name, variant, kernel, pointers, constexprs, options in variants():
         try:
-            compile_for_hopper(kernel, pointers, constexprs)
+            compile_for_hopper(kernel, pointers, constexprs, options)
             error = None
         except Exception as failure:  # report every variant, not only the first that fails
             error = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:400]}"
