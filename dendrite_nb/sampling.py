@@ -133,7 +133,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)  # always keeps the top token
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+    return exponential_race(probs, generators)
 
 
 # Uniform draws are clamped to this before the log, so Exp(1) = -log(u) is finite (u = 0 would give inf, and a
@@ -141,11 +141,31 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
 SMALLEST_UNIFORM = torch.finfo(torch.float32).tiny
 
 
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """argmax(p / E) of each row of probs [B, vocab], E ~ Exp(1) from the row's generator -> token ids [B].
+    On a CPU it runs row by row, so that a row's noise, quotient and argmax stay in cache; whole-batch passes
+    over 8 or 64 rows of a 151,936-token vocabulary go to memory and took 1.3-1.5x as long
+    (benchmarks/cpu_sampling.py). On a GPU, one batched pass. Both draw the same tokens."""
+    if probs.is_cuda:
+        return (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+    winners = torch.empty(len(generators), dtype=torch.long)
+    noise, quotient = torch.empty(probs.shape[1]), torch.empty(probs.shape[1])
+    for row, generator in enumerate(generators):
+        torch.div(probs[row], _fill_exponential(noise, generator), out=quotient)
+        winners[row] = quotient.argmax()
+    return winners
+
+
 def exponential_noise(like: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """Exp(1) draws shaped like `like` [B, vocab], row b from generators[b]: -log(u) of uniform u. On a CPU this
-    is about 3x faster than Tensor.exponential_ (0.9 against 2.9 ms a row at a 151,936-token vocabulary, two
-    cores: benchmarks/cpu_sampling.py), whose per-element sampling dominated a sampled step's host time."""
+    """Exp(1) draws shaped like `like` [B, vocab], row b from generators[b]."""
     noise = torch.empty_like(like)
     for row, generator in enumerate(generators):
-        noise[row].uniform_(generator=generator)
-    return noise.clamp_min_(SMALLEST_UNIFORM).log_().neg_()
+        _fill_exponential(noise[row], generator)
+    return noise
+
+
+def _fill_exponential(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """out filled in place with Exp(1) draws, as -log(u) of uniform u: on a CPU about 3x faster than
+    Tensor.exponential_ (0.9 against 2.9 ms at a 151,936-token vocabulary, two cores: benchmarks/cpu_sampling.py),
+    whose per-element sampling dominated a sampled step's host time."""
+    return out.uniform_(generator=generator).clamp_min_(SMALLEST_UNIFORM).log_().neg_()

@@ -62,6 +62,19 @@ def test_exponential_noise_is_finite_and_positive_even_where_the_uniform_draw_is
     assert noise[uniform == 0].eq(-torch.log(torch.tensor(SMALLEST_UNIFORM))).all()
 
 
+def test_the_cpu_race_row_by_row_draws_what_one_batched_pass_draws():
+    """On a CPU exponential_race works row by row (cache locality); the batched pass the GPU takes must give the
+    same tokens from the same generators, so a seed means the same tokens either way."""
+    from dendrite_nb.sampling import exponential_noise, exponential_race
+
+    probs = torch.softmax(torch.randn(6, 5000, generator=torch.Generator().manual_seed(0)) * 4, dim=-1)
+    row_by_row = exponential_race(probs, [torch.Generator().manual_seed(seed) for seed in range(6)])
+    generators = [torch.Generator().manual_seed(seed) for seed in range(6)]
+    batched = (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+    assert torch.equal(row_by_row, batched)
+    assert len(set(row_by_row.tolist())) > 1  # the rows drew from their own generators
+
+
 def test_top_k_and_top_p_never_sample_cut_tokens():
     logits = torch.tensor([[3.0, 2.9, 2.8, -5.0, -6.0, 1.0]])
     generator = torch.Generator().manual_seed(0)
