@@ -146,7 +146,7 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator]) -> 
     On a CPU it runs row by row, so that a row's noise, quotient and argmax stay in cache; whole-batch passes
     over 8 or 64 rows of a 151,936-token vocabulary go to memory and took 1.3-1.5x as long
     (benchmarks/cpu_sampling.py). On a GPU, one batched pass. Both draw the same tokens."""
-    if probs.is_cuda:
+    if probs.device.type != "cpu":
         return (probs / exponential_noise(probs, generators)).argmax(dim=-1)
     winners = torch.empty(len(generators), dtype=torch.long)
     noise, quotient = torch.empty(probs.shape[1]), torch.empty(probs.shape[1])

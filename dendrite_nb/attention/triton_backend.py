@@ -13,11 +13,15 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+import triton
 
+from ..kernels.kv_append import append_kv as append_kv_kernel
 from ..kernels.pdl import pdl_arguments
+from ..kernels.rope import UNFUSED_FLOAT_OPS, rope_qk
 from ..kv.fp8 import INV_FP8_MAX, MIN_SCALE
 from .base import BatchLayout, LayerKV
-from .triton_kernels import ITEM_COLS
+from .triton_decode_kernel import decode_tile_attention_kernel
+from .triton_kernels import ITEM_COLS, LOG2E, merge_partials_kernel, segment_attention_kernel
 from .triton_plan import HostPlan, PlanShape, build_host_plan
 
 BLOCK_N = 64  # KV positions per inner step
@@ -116,10 +120,7 @@ class TritonAttention:
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, kv_dtype) -> str | None:
-        try:
-            import triton  # noqa: F401
-        except Exception as error:
-            return f"triton cannot be imported ({error})"
+        # Without triton this module does not import: attention.unavailable_reason says so.
         if device.type != "cuda" and not interpreting():
             return "Triton kernels need CUDA (or TRITON_INTERPRET=1, the slow CPU interpreter used by the tests)"
         if head_dim < 16 or head_dim & (head_dim - 1):
@@ -228,16 +229,12 @@ class TritonAttention:
 
     # ---- run ----------------------------------------------------------------------------------------
     def append_kv(self, plan: TritonPlan, kv: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
-        from ..kernels.kv_append import append_kv
-
-        append_kv(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)  # one launch; fp8 quantised
+        append_kv_kernel(k, v, kv.k, kv.v, plan.slot_mapping, kv.k_scale, kv.v_scale)  # one launch; fp8 quantised
 
     def rope_and_append(self, plan: TritonPlan, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, norm_weights, eps: float) -> None:
         """RoPE on q and k in place (with Qwen3's q/k norms) and the KV append: one launch, or two for an fp8
         cache (its quantising append stays its own kernel)."""
-        from ..kernels.rope import rope_qk
-
         if kv.k_scale is not None:
             rope_qk(q, k, cos, sin, out=(q, k), norm_weights=norm_weights, eps=eps)
             self.append_kv(plan, kv, k, v)
@@ -258,10 +255,6 @@ class TritonAttention:
         return self._attend_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
 
     def _attend_one_tile(self, plan, kv, q, k, v, cos, sin, norm_weights, eps) -> torch.Tensor:
-        from ..kernels.rope import UNFUSED_FLOAT_OPS
-        from .triton_kernels import LOG2E
-        from .triton_decode_kernel import decode_tile_attention_kernel
-
         self._check_group(q, kv)
         num_heads, head_dim = q.shape[1:]
         kv_heads = kv.k.shape[2]
@@ -294,8 +287,6 @@ class TritonAttention:
         """Every item's partial outputs and log-sum-exps into the plan's scratch (one launch per tile width).
         Returns what each launch returned (Triton's compiled kernels, whose registers, spills and shared memory
         benchmarks/tune_tree_attention.py --launches prints)."""
-        from .triton_kernels import LOG2E, segment_attention_kernel
-
         num_heads, head_dim = q.shape[1:]
         kv_heads = kv.k.shape[2]
         partial, lse = self._scratch(plan, q)
@@ -340,10 +331,6 @@ class TritonAttention:
 
     def merge(self, plan: TritonPlan, q: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim] in q's dtype: each token's partials (write_partials) combined."""
-        import triton
-
-        from .triton_kernels import merge_partials_kernel
-
         tokens, num_heads, head_dim = q.shape
         partial, lse = plan.scratch["out"], plan.scratch["lse"]
         out = torch.empty_like(q)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..kernels.kv_append import e4m3_scaled
 from ..kernels.pdl import wait_for_inputs
 from ..kernels.rope import rms_normed, rotated
 from .triton_kernels import load_item
@@ -110,11 +111,8 @@ def decode_tile_attention_kernel(
         v_new = tl.load(V_NEW + row * stride_nt + kv_head * stride_nh + one[:, None] + d[None, :]).to(tl.float32)
         cache_dtype = K.dtype.element_ty
         if FP8:  # as kernels/kv_append.py quantises: the rotated k as rope_qk stores it, then amax / 448
-            k_new = k_new.to(dtype).to(tl.float32)
-            k_new_s = tl.maximum(tl.max(tl.abs(k_new)) * INV_MAX, SCALE_FLOOR)
-            v_new_s = tl.maximum(tl.max(tl.abs(v_new)) * INV_MAX, SCALE_FLOOR)
-            k_new = tl.math.div_rn(k_new, k_new_s)  # IEEE division, as kv_append (its comment says why)
-            v_new = tl.math.div_rn(v_new, v_new_s)
+            k_new, k_new_s = e4m3_scaled(k_new.to(dtype).to(tl.float32), INV_MAX, SCALE_FLOOR)
+            v_new, v_new_s = e4m3_scaled(v_new, INV_MAX, SCALE_FLOOR)
             k_s = tl.where(is_new, k_new_s, k_s)
             v_s = tl.where(is_new, v_new_s, v_s)
         if (kv_start <= q_pos) & (q_pos < kv_end):  # the step's token lies in this tile: this program appends it

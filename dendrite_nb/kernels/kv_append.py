@@ -26,6 +26,16 @@ from .pdl import pdl_arguments, wait_for_inputs
 
 
 @triton.jit
+def e4m3_scaled(x, INV_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+    """One head vector x (float32, any shape) -> (x / s, s), s = max|x| * (1/448) floored at SCALE_FLOOR: the
+    values to store as e4m3 and their dequantisation scale. Also the fused decode kernel's quantiser."""
+    s = tl.maximum(tl.max(tl.abs(x)) * INV_MAX, SCALE_FLOOR)
+    # div_rn: IEEE division, as torch's; Triton's `/` on float32 is div.full.f32 on CUDA, up to 2 ulp off
+    # (triton-lang/triton#10661), which would now and then round a value to a different e4m3 step.
+    return tl.math.div_rn(x, s), s
+
+
+@triton.jit
 def _append_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
     k_stride_t, k_stride_h, k_stride_d, v_stride_t, v_stride_h, v_stride_d,
@@ -48,12 +58,8 @@ def _append_kv_kernel(
     k = k.to(tl.float32)
     v = v.to(tl.float32)
     if QUANTIZE:
-        k_s = tl.maximum(tl.max(tl.abs(k), axis=0) * INV_MAX, SCALE_FLOOR)
-        v_s = tl.maximum(tl.max(tl.abs(v), axis=0) * INV_MAX, SCALE_FLOOR)
-        # div_rn: IEEE division, as torch's; Triton's `/` on float32 is div.full.f32 on CUDA, up to 2 ulp off
-        # (triton-lang/triton#10661), which would now and then round a value to a different e4m3 step.
-        k = tl.math.div_rn(k, k_s)
-        v = tl.math.div_rn(v, v_s)
+        k, k_s = e4m3_scaled(k, INV_MAX, SCALE_FLOOR)
+        v, v_s = e4m3_scaled(v, INV_MAX, SCALE_FLOOR)
         scale_offset = block * scale_stride_b + offset * scale_stride_s + head * scale_stride_h
         tl.store(k_scale_ptr + scale_offset, k_s)
         tl.store(v_scale_ptr + scale_offset, v_s)
