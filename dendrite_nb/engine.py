@@ -162,7 +162,7 @@ class Engine:
         chunks and 17 ms in 4,096-token ones (0.6B; 8B: 158 -> 91 ms), for 0.1-0.5 GiB more at peak
         (benchmarks/prefill_chunks.py). The torch reference pads every chunk's scores to its whole context, so
         there chunks stay short."""
-        return 512 if self.backend.name == "torch" else 4096
+        return 512 if self.backend.name in ("torch", "torch-tree") else 4096
 
     def _forward_graphs(self, wanted: bool | None):
         """Decode steps and short prefills replay CUDA graphs on CUDA with a backend whose plans can be padded (triton)."""
@@ -188,7 +188,7 @@ class Engine:
         """Load an HF folder: config.json, safetensors weights (single or sharded) and the tokenizer.
 
         Options: kv_dtype ("fp8" for an e4m3 cache), block_size (tokens per KV block), num_blocks (pool
-        size; default fits the device), attention ("torch", "triton", "flashinfer" or "auto"), cuda_graphs
+        size; default fits the device), attention ("torch", "torch-tree", "triton", "flashinfer" or "auto"), cuda_graphs
         (default: on for CUDA with triton), seed (base of per-branch seeds), debug (KV canaries),
         prefill_chunk_tokens (tokens per prefill forward; default 4,096, or 512 with the torch reference).
         """

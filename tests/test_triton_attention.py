@@ -13,25 +13,12 @@ from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.attention import BatchLayout, TorchAttention
 from dendrite_nb.kv.cascade import build_segments, decode_layout
 from dendrite_nb.testing import TINY_SHAPES
+from random_trees import random_tree
 
 pytest.importorskip("triton")
 from dendrite_nb.attention.triton_backend import TritonAttention  # noqa: E402  (needs triton)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # the interpreter runs only where CUDA is absent
-
-
-def random_tree(eng: Engine, rng: random.Random, leaves: int, depth: int, vocab: int = 200):
-    """Grow a random tree of branches with varied node lengths (mid-block forks included); return leaves."""
-    root = eng.new_branch("r", [rng.randrange(vocab) for _ in range(rng.randrange(64, 120))])
-    frontier = [root]
-    for level in range(depth):
-        grown = []
-        for parent in frontier:
-            for kid in eng.fork(parent, rng.randrange(1, 4)):
-                eng.append(kid, [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))])
-                grown.append(kid)
-        frontier = grown[: max(2, leaves // (depth - level))]
-    return frontier[:leaves]
 
 
 def fill_random(eng: Engine, seed: int) -> None:
@@ -162,7 +149,7 @@ def test_triton_fork_matches_linear_run(checkpoint):
 def test_auto_picks_a_backend_that_runs_here_and_bad_names_say_what_exists():
     eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), device=DEVICES[0],
                              num_blocks=16, attention="auto")
-    assert eng.backend.name == ("triton" if torch.cuda.is_available() else "torch")
+    assert eng.backend.name == ("triton" if torch.cuda.is_available() else "torch-tree")
     with pytest.raises(ValueError, match="choose one of"):
         Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=16,
                            attention="fastest")

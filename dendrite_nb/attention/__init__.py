@@ -1,6 +1,7 @@
 """Attention backends behind one plan/run interface.
 
-`torch` is the reference (any device); `triton` (paged + tree-aware decode) and `flashinfer` need CUDA and
+`torch` is the reference (any device); `torch-tree` is the reference with tree-aware decode steps (each shared
+tree node read once for all its rows), the fast path off CUDA; `triton` (paged + tree-aware decode) and `flashinfer` need CUDA and
 their packages, so they are imported only when asked for. `auto` picks the fastest one that can run here.
 """
 from __future__ import annotations
@@ -15,11 +16,13 @@ from .torch_backend import TorchAttention
 # name -> (module, class); imported lazily so a machine without triton or flashinfer still loads the engine.
 BACKENDS = {
     "torch": ("dendrite_nb.attention.torch_backend", "TorchAttention"),
+    "torch-tree": ("dendrite_nb.attention.torch_tree_backend", "TorchTreeAttention"),
     "triton": ("dendrite_nb.attention.triton_backend", "TritonAttention"),
     "flashinfer": ("dendrite_nb.attention.flashinfer_backend", "FlashInferAttention"),
 }
 # Fastest first: the tree-aware Triton kernel reads shared prefixes once; FlashInfer's flat decode does not.
-AUTO_ORDER = ("triton", "flashinfer", "torch")
+AUTO_ORDER = ("triton", "flashinfer", "torch-tree", "torch")
+CUDA_ONLY = ("triton", "flashinfer")
 
 
 def _backend_class(name: str) -> type:
@@ -42,8 +45,8 @@ def make_backend(name: str, device: torch.device | str = "cpu", dtype: torch.dty
     device = torch.device(device)
     if name == "auto":
         for candidate in AUTO_ORDER:
-            if candidate != "torch" and device.type != "cuda":
-                continue  # off CUDA the reference is the fast path (Triton's CPU interpreter is for tests)
+            if candidate in CUDA_ONLY and device.type != "cuda":
+                continue  # off CUDA plain torch is the fast path (Triton's CPU interpreter is for tests)
             if unavailable_reason(candidate, device, dtype, head_dim, kv_dtype) is None:
                 return _backend_class(candidate)()
         raise RuntimeError("no attention backend can run here")  # torch always can; kept for a clear failure

@@ -1,0 +1,124 @@
+"""Tree-aware decode attention in plain torch: the fast path on a CPU, where the Triton kernels do not run.
+
+A decode step over leaves that share tree nodes reads each shared node's KV once for all its rows, as the
+Triton backend does: one gather of the node's positions and one product against all the rows' query heads
+at once (a matrix product, where flat attention does one thin product per row). Each row's own positions
+(everything no other row reads, at least the leaf's newest token) are gathered and attended padded, as the
+reference does. The partial results are merged by log-sum-exp. Prefill and steps without segments take the
+reference path of torch_backend.py unchanged.
+
+Its products group the query heads by KV head ([KV heads, rows, group, head_dim]), so keys and values are
+never copied once per query head of a group, which the reference's broadcasting does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.fp8 import dequantize
+from .base import BatchLayout, KVSegment, LayerKV
+from .torch_backend import TorchAttention
+
+
+@dataclass(slots=True)
+class SharedRead:
+    rows: torch.Tensor  # [R] batch rows that read these positions (all R descend from one tree node)
+    slots: torch.Tensor  # [S] flat cache slot of each position
+
+
+@dataclass(slots=True)
+class TreeDecodePlan:
+    slot_mapping: torch.Tensor  # [B] flat cache slot of each row's new token
+    private_slots: torch.Tensor  # [B, P] flat slots of each row's own positions (0 where padded)
+    private_valid: torch.Tensor  # [B, P] bool
+    shared: list[SharedRead]
+
+
+class TorchTreeAttention(TorchAttention):
+    name = "torch-tree"
+    reads_segments = True
+
+    def plan(self, layout: BatchLayout, block_size: int, device: torch.device):
+        if layout.segments is None or not layout.is_decode:
+            return super().plan(layout, block_size, device)
+        shared = [seg for seg in layout.segments if len(seg.rows) > 1]
+        private = sorted((seg for seg in layout.segments if len(seg.rows) == 1), key=lambda seg: seg.rows[0])
+        slot_mapping = [_slot(table, kv - 1, block_size) for table, kv in zip(layout.block_tables, layout.kv_lens)]
+        private_slots, private_valid = _padded_slots(private, len(layout.kv_lens), block_size)
+        return TreeDecodePlan(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device),
+            private_slots=private_slots.to(device),
+            private_valid=private_valid.to(device),
+            shared=[SharedRead(torch.tensor(seg.rows, dtype=torch.long).to(device),
+                               _segment_slots(seg, block_size).to(device)) for seg in shared],
+        )
+
+    def attend(self, plan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if not isinstance(plan, TreeDecodePlan):
+            return super().attend(plan, q, kv)
+        rows, num_heads, head_dim = q.shape
+        kv_heads = kv.k.shape[2]
+        group = num_heads // kv_heads
+        scale = head_dim ** -0.5
+        queries = q.float().view(rows, kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
+        keys = _gather_by_head(kv.k, kv.k_scale, plan.private_slots)  # [KVH, B, P, D]
+        values = _gather_by_head(kv.v, kv.v_scale, plan.private_slots)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [KVH, B, G, P]
+        scores.masked_fill_(~plan.private_valid[None, :, None, :], float("-inf"))
+        # Every row has a private position (its leaf's newest token), so no row of scores is all -inf.
+        out, lse = _softmax_times(scores, values)  # [KVH, B, G, D], [KVH, B, G, 1]
+        for read in plan.shared:
+            shared_rows = read.rows.numel()
+            keys = _gather_by_head(kv.k, kv.k_scale, read.slots)  # [KVH, S, D]
+            values = _gather_by_head(kv.v, kv.v_scale, read.slots)
+            grouped = queries[:, read.rows].reshape(kv_heads, shared_rows * group, head_dim)
+            scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [KVH, R * G, S]
+            part, part_lse = _softmax_times(scores, values)
+            part = part.view(kv_heads, shared_rows, group, head_dim)
+            part_lse = part_lse.view(kv_heads, shared_rows, group, 1)
+            row_lse = lse[:, read.rows]
+            merged = torch.logaddexp(row_lse, part_lse)
+            out[:, read.rows] = out[:, read.rows] * (row_lse - merged).exp() + part * (part_lse - merged).exp()
+            lse[:, read.rows] = merged
+        return out.transpose(0, 1).reshape(rows, num_heads, head_dim).to(q.dtype)
+
+
+def _softmax_times(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(scores) @ values, logsumexp(scores)) over the last axis; the lse keeps a trailing axis of 1."""
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = (scores - top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    return torch.matmul(weights, values).div_(total), top + total.log()
+
+
+def _gather_by_head(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, KVH, D] at flat slots [...] -> float32 [KVH, ..., D], one contiguous
+    matrix per KV head (the products then read it as it lies), dequantised if fp8."""
+    kv_heads, head_dim = cache.shape[2:]
+    gathered = cache.view(-1, kv_heads, head_dim).transpose(0, 1)[:, slots]
+    if scale is None:
+        return gathered.float()
+    return dequantize(gathered, scale.view(-1, kv_heads).transpose(0, 1)[:, slots])
+
+
+def _slot(table: list[int], position: int, block_size: int) -> int:
+    return table[position // block_size] * block_size + position % block_size
+
+
+def _segment_slots(segment: KVSegment, block_size: int) -> torch.Tensor:
+    """[end - start] flat slots of a segment's positions; segment.blocks starts at logical block start // size."""
+    positions = torch.arange(segment.start, segment.end)
+    blocks = torch.tensor(segment.blocks, dtype=torch.long)
+    return blocks[positions // block_size - segment.start // block_size] * block_size + positions % block_size
+
+
+def _padded_slots(private: list[KVSegment], rows: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's private segments' slots, concatenated and padded: ([rows, P] long, [rows, P] bool)."""
+    per_row: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+    for segment in private:
+        per_row[segment.rows[0]].append(_segment_slots(segment, block_size))
+    joined = [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in per_row]
+    slots = torch.nn.utils.rnn.pad_sequence(joined, batch_first=True)
+    lengths = torch.tensor([part.numel() for part in joined])
+    return slots, torch.arange(slots.shape[1])[None, :] < lengths[:, None]
