@@ -51,3 +51,25 @@ def test_batched_generate_matches_transformers_greedy(shape, checkpoint, hf_mode
         assert branch.tokens[start:] == out and len(out) == 24
         logits = hf_logits(hf, branch.tokens)
         assert out == logits[start - 1: -1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied"])
+def test_forked_leaves_under_a_shared_prompt_match_transformers(shape, checkpoint, hf_model):
+    """The CPU path's tree decode (torch-tree reads the shared prompt once for all leaves; few-row products as
+    W @ x.T) against transformers running each leaf's whole sequence alone: logits within 1e-4, same tokens."""
+    hf = hf_model(shape)
+    eng = Engine.from_pretrained(checkpoint(shape), num_blocks=256, block_size=4)
+    assert eng.backend.name == "torch-tree"
+    root = eng.new_branch("root", [(11 * i) % 200 + 3 for i in range(80)])  # >= 64 tokens: read shared
+    leaves = eng.fork(root, 4)
+    for i, leaf in enumerate(leaves):
+        eng.append(leaf, [i + 5])
+    start = len(leaves[0])
+    step_logits = [decode_recording_logits(eng, leaf, 1, GREEDY) for leaf in leaves]  # one leaf's own step each
+    outs = eng.generate(leaves, 16, GREEDY)  # then all four together, the prompt read once a step
+    batch_logits = eng.next_logits(leaves)
+    for leaf, first, out, last in zip(leaves, step_logits, outs, batch_logits):
+        reference = hf_logits(hf, leaf.tokens)
+        assert (first[0] - reference[start - 1]).abs().max() < TOLERANCE
+        assert out == reference[start: -1].argmax(-1).tolist()
+        assert (last - hf_logits(hf, leaf.tokens)[-1]).abs().max() < TOLERANCE

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .config import ModelConfig
+from .dense import dense
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -69,15 +70,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv, backend, plan) -> torch.Tensor:
         heads, kv_heads, head_dim = self.shape
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, heads, head_dim)
-        k = self.k_proj(x).view(tokens, kv_heads, head_dim)
-        v = self.v_proj(x).view(tokens, kv_heads, head_dim)
+        q = dense(self.q_proj, x).view(tokens, heads, head_dim)
+        k = dense(self.k_proj, x).view(tokens, kv_heads, head_dim)
+        v = dense(self.v_proj, x).view(tokens, kv_heads, head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         backend.append_kv(plan, kv, k, v)
         out = backend.attend(plan, q, kv)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(tokens, heads * head_dim))
+        return dense(self.o_proj, out.reshape(tokens, heads * head_dim))
 
     def fuse_projections(self) -> None:
         """q/k/v in one weight [(heads + 2 * kv_heads) * head_dim, hidden] (the parameters become views)."""
@@ -116,7 +117,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return dense(self.down_proj, F.silu(dense(self.gate_proj, x)) * dense(self.up_proj, x))
 
     def fuse_projections(self) -> None:
         """gate and up in one weight [2 * intermediate, hidden] (the parameters become views)."""
@@ -223,4 +224,4 @@ class CausalLM(nn.Module):
             from ..kernels import linear
 
             return linear(hidden, self.lm_head.weight).float()
-        return self.lm_head(hidden).float()
+        return dense(self.lm_head, hidden).float()
