@@ -199,9 +199,9 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None) -> f
     return 2 * nbytes / seconds
 
 
-def measure_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a large square matmul in `dtype` on random data."""
-    n = 8192 if device.type == "cuda" else 256
+def measure_matmul_rate(device: torch.device, dtype: torch.dtype, n: int | None = None) -> float:
+    """FLOP/s of a large square n x n matmul in `dtype` on random data (default n: 8,192 on CUDA, 256 elsewhere)."""
+    n = n or (8192 if device.type == "cuda" else 256)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     seconds = statistics.median(time_calls(functools.partial(torch.matmul, a, b), device, repeats=10, warmup=3))
     del a, b

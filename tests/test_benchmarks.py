@@ -234,3 +234,18 @@ def test_host_step_times_each_leaf_count_with_the_collector_on_and_the_heap_froz
         ("1", "collector on"), ("1", "heap frozen"), ("4", "collector on"), ("4", "heap frozen")]
     assert all(float(line[3]) > 0 and float(line[4]) > 0 and float(line[-1]) > 0 for line in lines)
     assert gc.get_freeze_count() == 0  # the heap is given back to the collector
+
+
+def test_cpu_decode(run):
+    """Each leaf count has the four engine variants and the transformers peer, each next to a positive floor."""
+    payload, _ = run("cpu_decode")
+    table = rows(payload)
+    variants = {("torch-tree", "W @ x.T"), ("torch", "W @ x.T"), ("torch-tree", "F.linear"), ("torch", "F.linear"),
+                ("transformers", "F.linear")}
+    assert {(r["leaves"], r["attention"], r["products"]) for r in table} == {(n, *v) for n in ("1", "4")
+                                                                          for v in variants}
+    for row in table:
+        assert row["step_ms"] > 0 and row["floor_ms"] > 0
+        assert math.isclose(row["x_floor"], row["step_ms"] / row["floor_ms"])
+        peer = next(r for r in table if r["leaves"] == row["leaves"] and r["attention"] == "transformers")
+        assert math.isclose(row["vs_hf"], peer["step_ms"] / row["step_ms"])
