@@ -4,8 +4,10 @@ A decode step over leaves that share tree nodes reads each shared node's KV once
 Triton backend does: one gather of the node's positions and one product against all the rows' query heads
 at once (a matrix product, where flat attention does one thin product per row). Each row's own positions
 (everything no other row reads, at least the leaf's newest token) are gathered and attended padded, as the
-reference does. The partial results are merged by log-sum-exp. Prefill and steps without segments take the
-reference path of torch_backend.py unchanged.
+reference does. The partial results are merged by log-sum-exp. Prefill (and any step without segments) plans as the reference does
+and attends through torch's scaled_dot_product_attention, which on a CPU never writes out the padded
+[rows, heads, queries, context] scores that the reference scales, masks and softmaxes in separate passes: a
+512-token chunk over 1,024 positions of the 0.6B model, 31 against 75 ms a layer on two cores.
 
 Its products group the query heads by KV head ([KV heads, rows, group, head_dim]), so keys and values are
 never copied once per query head of a group, which the reference's broadcasting does.
@@ -15,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from ..kv.fp8 import dequantize
 from .base import BatchLayout, KVSegment, LayerKV
-from .torch_backend import TorchAttention
+from .torch_backend import TorchAttention, TorchPlan, _gather
 
 
 @dataclass(slots=True)
@@ -56,7 +59,7 @@ class TorchTreeAttention(TorchAttention):
 
     def attend(self, plan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         if not isinstance(plan, TreeDecodePlan):
-            return super().attend(plan, q, kv)
+            return _attend_padded(plan, q, kv)
         rows, num_heads, head_dim = q.shape
         kv_heads = kv.k.shape[2]
         group = num_heads // kv_heads
@@ -82,6 +85,17 @@ class TorchTreeAttention(TorchAttention):
             out[:, read.rows] = out[:, read.rows] * (row_lse - merged).exp() + part * (part_lse - merged).exp()
             lse[:, read.rows] = merged
         return out.transpose(0, 1).reshape(rows, num_heads, head_dim).to(q.dtype)
+
+
+def _attend_padded(plan: TorchPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+    """The reference's padded attention (torch_backend.py) through scaled_dot_product_attention."""
+    keys = _gather(kv.k, kv.k_scale, plan.kv_slots).transpose(1, 2)  # [B, KVH, S, D]
+    values = _gather(kv.v, kv.v_scale, plan.kv_slots).transpose(1, 2)
+    queries = q[plan.q_index].float().transpose(1, 2)  # [B, H, Lq, D]
+    # Query head h reads KV head h // group, as in the reference; no padded row is masked whole (each sees
+    # its sequence's context), so no row's softmax is empty.
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask[:, 0], enable_gqa=True)
+    return out.transpose(1, 2)[plan.q_valid].to(q.dtype)  # [T, H, D]
 
 
 def _softmax_times(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
