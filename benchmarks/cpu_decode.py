@@ -13,7 +13,7 @@ Cases: 1 leaf with a 512-token context, and 5 and 16 leaves forked off a 512-tok
 of their own (best-of-n or a tree-of-thought level). Step: median of 3 generate(leaves, --steps) calls / steps.
 Floor: the bytes a step must read once (the weights, the tied embedding as the LM head, the prefix's KV once
 and each leaf's own) over the copy bandwidth measured here on 512 MiB (read + write, out of cache), or the
-step's FLOPs at the float32 matmul rate measured here if that is larger (on two cores it is, from about 8 leaves).
+step's FLOPs at the float32 matmul rate measured here (n = 1,024) if that is larger (on two cores it is, from about 8 leaves).
 
     python benchmarks/cpu_decode.py [--shape qwen3-0.6b] [--leaves 1 5 16] [--steps 4] [--no-hf] [--json PATH] [--smoke]
 """
@@ -25,8 +25,8 @@ import statistics
 
 import torch
 
-from bench_common import (Column, Floors, Report, Setup, build_model, log, measure_copy_bandwidth,
-                          measure_matmul_rate, model_costs, parser, random_ids, time_calls)
+from bench_common import (Column, Report, Setup, build_model, log, measure_floors, model_costs, parser, random_ids,
+                          time_calls)
 from decode_step import Case, hf_step_seconds, num_blocks
 from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.model import dense
@@ -72,9 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or (2 if setup.smoke else 4)
     prefix, own = (SMOKE_PREFIX, SMOKE_OWN) if setup.smoke else (PREFIX, OWN)
     report = Report("cpu_decode", setup)
-    report.floors = floors = Floors(measure_copy_bandwidth(setup.device, 1 << 29),
-                                    measure_matmul_rate(setup.device, setup.dtype, 1024))
-    log(f"floors measured here: {floors.describe()}; {torch.get_num_threads()} threads")
+    report.floors = floors = measure_floors(setup)
     hf_config = setup.hf_config(args.shape)
     model = build_model(setup, hf_config)
     costs = model_costs(model, setup.dtype)
