@@ -486,7 +486,7 @@ class DendriteMagics(Magics):
 @argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 @argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
 @argument("--kv-dtype", default=None, help="dtype of the KV cache: fp8 (e4m3), bfloat16, ... (default: the weights')")
-@argument("--attention", default="auto", help="auto, triton, flashinfer or torch (default auto)")
+@argument("--attention", default="auto", help="auto, triton, flashinfer, torch-tree or torch (default auto)")
 @argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
 @argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: fits the device)")
 @argument("--replace", action="store_true", help="close the loaded engine first")

@@ -86,3 +86,12 @@ def test_torch_tree_engine_decodes_a_tree_like_the_flat_reference(shape):
     assert sorted(len(seg.rows) for seg in layout.segments if len(seg.rows) > 1) == [2, 2, 5]
     for eng in engines:
         eng.audit()
+
+
+def test_a_row_without_a_position_of_its_own_is_refused():
+    """A layout where a row reads only shared positions would softmax over nothing; the plan says why instead."""
+    from dendrite_nb.attention.base import KVSegment
+    layout = BatchLayout(q_lens=[1, 1], kv_lens=[8, 9], block_tables=[[0, 1], [0, 2, 3]],
+                         segments=[KVSegment((0, 1), 0, 8, (0, 1)), KVSegment((1,), 8, 9, (3,))])
+    with pytest.raises(ValueError, match=r"reads no position of its own \(rows \[0\]\)"):
+        TorchTreeAttention().plan(layout, 4, torch.device("cpu"))

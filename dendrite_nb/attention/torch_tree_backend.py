@@ -135,4 +135,7 @@ def _padded_slots(private: list[KVSegment], rows: int, block_size: int) -> tuple
     joined = [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in per_row]
     slots = torch.nn.utils.rnn.pad_sequence(joined, batch_first=True)
     lengths = torch.tensor([part.numel() for part in joined])
+    if rows and int(lengths.min()) == 0:   # a leaf's own node holds its newest token, so this is a layout bug
+        raise ValueError(f"a decode row reads no position of its own (rows {lengths.eq(0).nonzero().flatten().tolist()}); "
+                         "each row's leaf must be its own node, as decode_layout builds it.")
     return slots, torch.arange(slots.shape[1])[None, :] < lengths[:, None]
