@@ -160,9 +160,8 @@ class Engine:
         """Tokens per prefill forward. Each forward costs the host about the same to launch, whatever its
         length, so on a GPU the chunks are long: on an H200 a 3,500-token document took 96 ms in 512-token
         chunks and 17 ms in 4,096-token ones (0.6B; 8B: 158 -> 91 ms), for 0.1-0.5 GiB more at peak
-        (benchmarks/prefill_chunks.py). The torch reference pads every chunk's scores to its whole context, so
-        there chunks stay short."""
-        return 512 if self.backend.name in ("torch", "torch-tree") else 4096
+        (benchmarks/prefill_chunks.py). A backend whose prefill wants short chunks says so (the torch ones)."""
+        return getattr(self.backend, "prefill_chunk_tokens", 4096)
 
     def _forward_graphs(self, wanted: bool | None):
         """Decode steps and short prefills replay CUDA graphs on CUDA with a backend whose plans can be padded (triton)."""

@@ -62,6 +62,10 @@ def test_auto_off_cuda_is_torch_tree_and_the_reference_stays_flat():
     assert make_backend("torch", "cpu").name == "torch" and not make_backend("torch", "cpu").reads_segments
     with pytest.raises(ValueError, match="torch-tree"):  # the error lists it among the choices
         make_backend("torch_tree", "cpu")
+    for name in ("torch", "torch-tree"):   # both keep short prefill chunks (their classes say why)
+        eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=16,
+                                 attention=name)
+        assert eng.prefill_chunk_tokens == 512
 
 
 @pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied"])

@@ -26,6 +26,8 @@ class TorchPlan:
 class TorchAttention:
     name = "torch"
     reads_segments = False
+    # The engine's default prefill chunk: every chunk's scores are padded to its whole context, so chunks stay short.
+    prefill_chunk_tokens = 512
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, kv_dtype) -> str | None:
