@@ -223,6 +223,17 @@ def test_persistent_chain_probe_matches_torch_in_the_interpreter(monkeypatch, ca
     assert "relative error" in capsys.readouterr().out
 
 
+def test_fused_mlp_probe_matches_torch_in_the_interpreter(monkeypatch, capsys):
+    """probe_fused_mlp.py times a GPU chain; in the interpreter (tiny shapes) its fused-MLP chain, whose programs
+    add their partial outputs with atomics, and its float32 control must equal torch's, or main() exits."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    triton = pytest.importorskip("triton")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("the probe's CPU check needs TRITON_INTERPRET=1 (the test session's default)")
+    importlib.import_module("probe_fused_mlp").main([])
+    assert "fused-MLP chain relative error" in capsys.readouterr().out
+
+
 def test_host_step_times_each_leaf_count_with_the_collector_on_and_the_heap_frozen(monkeypatch, capsys):
     """host_step.py stubs the model out and times the engine's own work per step: a row per leaf count and GC
     setting, every time positive."""
