@@ -39,11 +39,15 @@ UNAVAILABLE_ERRORS = (TypeError, ValueError, NotImplementedError, ImportError, R
 
 
 # ---- arguments and setup ----------------------------------------------------------------------
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 def parser(doc: str) -> argparse.ArgumentParser:
-    """The shared options: --device, --smoke, --json."""
+    """The shared options: --device, --dtype, --smoke, --json."""
     result = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     result.add_argument("--device", default=None,
                         help="default: cuda when available (cpu with --smoke)")
+    result.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None,
+                        help="weights and KV (default: bfloat16 on cuda, float32 elsewhere)")
     result.add_argument("--smoke", action="store_true",
                         help="tiny shapes (CPU, float32, torch attention unless --device cuda) in seconds: a CI check")
     result.add_argument("--json", type=Path, default=None, help="also write the final table(s) here as JSON")
@@ -72,7 +76,8 @@ def setup(args: argparse.Namespace) -> Setup:
     if device.type != "cuda" and not args.smoke and args.device is None:   # asked for by name, a CPU may run them
         raise SystemExit(f"real shapes need a GPU (--device cuda); on {device.type} run with --smoke, or pass "
                          f"--device {device.type} to run them there anyway (slowly).")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    default = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = DTYPE_NAMES[args.dtype] if getattr(args, "dtype", None) else default
     return Setup(device, dtype, args.smoke)
 
 

@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from bench_common import (Column, Report, Setup, build_model, log, measure_floors, model_costs, parser, random_ids,
+from bench_common import (DTYPE_NAMES, Column, Report, Setup, build_model, log, measure_floors, model_costs, parser, random_ids,
                           time_calls)
 from decode_step import Case, hf_step_seconds, num_blocks
 from dendrite_nb import Engine, SamplingParams
@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
     arguments.add_argument("--steps", type=int, default=None, help="steps per timed call (default 4; smoke 2)")
     arguments.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     args = arguments.parse_args(argv)
-    setup = Setup(torch.device("cpu"), torch.float32, args.smoke)
+    dtype = DTYPE_NAMES[args.dtype or "float32"]
+    setup = Setup(torch.device("cpu"), dtype, args.smoke)
+    # W @ x.T (model/dense.py) acts on float32 only: in other dtypes both product settings are F.linear.
+    variants = VARIANTS if dtype == torch.float32 else [(attention, False) for attention, on in VARIANTS if on]
     steps = args.steps or (2 if setup.smoke else 4)
     prefix, own = (SMOKE_PREFIX, SMOKE_OWN) if setup.smoke else (PREFIX, OWN)
     report = Report("cpu_decode", setup)
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(setup, hf_config)
     costs = model_costs(model, setup.dtype)
     shape = setup.shape_name(args.shape)
-    table = report.table(f"CPU decode step, {shape}, float32 (median of {CALLS} generate(leaves, {steps}) calls / "
+    dtype_name = str(dtype).removeprefix("torch.")
+    table = report.table(f"CPU decode step, {shape}, {dtype_name} (median of {CALLS} generate(leaves, {steps}) calls / "
                          f"{steps}; floor: bytes read once / copy bandwidth, or FLOPs / matmul rate if larger)",
                          [Column("leaves", "leaves", label=True), Column("attention", "attention", label=True),
                           Column("products", "products", label=True), Column("step_ms", "step ms", "{:.1f}"),
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
             hf_times, reason = hf_step_seconds(model, hf_config, setup, case, prefix_ids, own_ids, steps, warmup=1,
                                                cache_bytes=0)
             hf_ms = statistics.median(hf_times) * 1e3
-        for attention, transposed in VARIANTS:
+        for attention, transposed in variants:
             with products_through_linear(not transposed):
                 step_ms = statistics.median(engine_step_seconds(model, setup, attention, case, prefix_ids, own_ids,
                                                                 steps)) * 1e3

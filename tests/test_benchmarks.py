@@ -260,3 +260,12 @@ def test_cpu_decode(run):
         assert math.isclose(row["x_floor"], row["step_ms"] / row["floor_ms"])
         peer = next(r for r in table if r["leaves"] == row["leaves"] and r["attention"] == "transformers")
         assert math.isclose(row["vs_hf"], peer["step_ms"] / row["step_ms"])
+
+
+def test_cpu_decode_in_bfloat16_has_no_w_at_x_rows(run):
+    """--dtype bfloat16: W @ x.T acts on float32 only, so each leaf count has torch-tree and torch through F.linear
+    and the transformers peer, in bf16 (the table's title and the JSON say so)."""
+    payload, printed = run("cpu_decode", "--dtype", "bfloat16")
+    assert payload["dtype"] == "bfloat16" and "bfloat16 (median" in printed
+    assert {(r["leaves"], r["attention"], r["products"]) for r in rows(payload)} == {
+        (n, attention, "F.linear") for n in ("1", "4") for attention in ("torch-tree", "torch", "transformers")}

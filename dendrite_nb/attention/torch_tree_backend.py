@@ -110,13 +110,20 @@ def _softmax_times(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Te
 
 
 def _gather_by_head(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, KVH, D] at flat slots [...] -> float32 [KVH, ..., D], one contiguous
-    matrix per KV head (the products then read it as it lies), dequantised if fp8."""
+    """cache [num_blocks, block_size, KVH, D] at flat slots [...] -> float32 [KVH, ..., D], dequantised if fp8.
+
+    Whole slots are gathered first (index_select copies each slot's KVH x D values as one run), then one more
+    copy puts the KV heads in front as float32: half the time of indexing a head-major view slot by slot, which
+    copies D values at a time (one 0.6B leaf's 512 positions on two cores: 131 against 302 us a layer for K in
+    bf16, 135 against 270 in float32). The result is contiguous because the products over many rows' private
+    positions ran slower on a strided one (16 bf16 leaves: 219 against 192 ms a step)."""
     kv_heads, head_dim = cache.shape[2:]
-    gathered = cache.view(-1, kv_heads, head_dim).transpose(0, 1)[:, slots]
+    flat = slots.reshape(-1)
+    gathered = cache.view(-1, kv_heads * head_dim).index_select(0, flat).view(*slots.shape, kv_heads, head_dim)
     if scale is None:
-        return gathered.float()
-    return dequantize(gathered, scale.view(-1, kv_heads).transpose(0, 1)[:, slots])
+        return gathered.movedim(-2, 0).to(torch.float32, memory_format=torch.contiguous_format)
+    scales = scale.view(-1, kv_heads).index_select(0, flat).view(*slots.shape, kv_heads)
+    return dequantize(gathered, scales).movedim(-2, 0).contiguous()
 
 
 def _slot(table: list[int], position: int, block_size: int) -> int:
