@@ -27,13 +27,12 @@ A probe, not an engine path: the result goes in benchmarks/REPORT.md either way.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 
-from probe_persistent_chain import EPS, SHAPE_06B, TINY, Chain, relative_error
+from probe_persistent_chain import EPS, SHAPE_06B, TINY, Chain, print_chain_times, relative_error
 from dendrite_nb.kernels.gemv import gemv
 from dendrite_nb.kernels.pdl import pdl_arguments, wait_for_inputs
 from dendrite_nb.kernels.swiglu import silu_times_up
@@ -104,25 +103,6 @@ class FusedMlpChain:
         return run
 
 
-def float32_stream_launches(chain: Chain):
-    """The control: the engine's 4 launches a layer as Chain.launches runs them, with float32 activations as the
-    fused chain has them (bf16 weights), so the two differ only in the MLP's launches."""
-    s, layers = chain.shape, chain.layers
-    w_gu = chain.w_gu.view(layers, 2 * s["inter"], s["hidden"])
-    x0 = chain.x0.float()
-    nw_attn, nw_mlp, nw_final = chain.nw_attn.float(), chain.nw_mlp.float(), chain.nw_final.float()
-
-    def run():
-        x, residual = x0, None
-        for layer in range(layers):
-            qkv, stream = gemv(x, chain.w_qkv[layer], norm=(residual, nw_attn[layer], EPS))
-            o = gemv(qkv[:, :s["attn"]], chain.w_o[layer])
-            act, stream = gemv(o, w_gu[layer], norm=(stream, nw_mlp[layer], EPS), swiglu=True)
-            x, residual = gemv(act, chain.w_down[layer]), stream
-        return gemv(x, chain.w_lm, norm=(residual, nw_final, EPS))[0].view(-1)
-    return run
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=28)
@@ -138,13 +118,13 @@ def main(argv: list[str] | None = None) -> None:
         chain = Chain(TINY, 2, device, torch.float32, generator)
         reference = chain.reference()
         error = relative_error(FusedMlpChain(chain).launches(16, 4)(), reference)
-        control_error = relative_error(float32_stream_launches(chain)(), reference)
+        control_error = relative_error(chain.launches(activations=torch.float32)(), reference)
         print(f"interpreter, tiny shapes: fused-MLP chain relative error {error:.2e} against torch float32 "
               f"(the control's {control_error:.2e})")
         if max(error, control_error) > 1e-4:
             raise SystemExit("the fused-MLP chain does not match torch")
         return
-    from bench_common import graph_seconds, measure_copy_bandwidth
+    from bench_common import measure_copy_bandwidth
 
     chain = Chain(SHAPE_06B, args.layers, device, torch.bfloat16, generator)
     fused = FusedMlpChain(chain)
@@ -154,16 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{torch.cuda.get_device_name(device)}: 0.6B chain of products, {args.layers} layers + LM head, one row, "
           f"bf16 weights: {chain.weight_bytes / 1e9:.2f} GB; floor {floor_ms:.3f} ms at {bandwidth / 1e12:.2f} TB/s")
     variants = {"gemv launches, 4 a layer (the engine's)": chain.launches(),
-                "  the same, float32 activations (the control)": float32_stream_launches(chain)}
+                "  the same, float32 activations (the control)": chain.launches(activations=torch.float32)}
     for block_i in args.block_i:
         for warps in args.warps:
             variants[f"fused MLP, 3 a layer, BLOCK_I {block_i}, {warps} warps"] = fused.launches(block_i, warps)
             variants[f"  {block_i}, {warps}: stores (wrong; a bound)"] = fused.launches(block_i, warps, STORE_BOUND)
-    for label, run in variants.items():
-        error = relative_error(run(), reference)
-        seconds = [graph_seconds(run, device, calls=10, flush_l2=False) for _ in range(3)]
-        ms = statistics.median(seconds) * 1e3
-        print(f"  {label:<48} {ms:7.3f} ms  {ms / floor_ms:5.2f}x floor   rel. error vs float32 {error:.2e}")
+    print_chain_times(variants, reference, device, floor_ms, width=48)
 
 
 if __name__ == "__main__":

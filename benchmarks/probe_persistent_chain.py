@@ -199,34 +199,36 @@ class Chain:
         return run
 
     def launches(self, configs: dict | None = None, source_layers: list[int] | None = None,
-                 before_product: Callable[[int], None] | None = None):
+                 before_product: Callable[[int], None] | None = None, activations: torch.dtype | None = None):
         """The engine's way: one gemv launch per product (kernels/gemv.py, PDL), the norms, residual adds and
         SwiGLU folded in as the engine folds them: 4 launches a layer and the LM head. configs: a gemv setting
         by product ("qkv", "o", "gate_up", "down", "lm_head"); absent ones take gemv's defaults.
         source_layers: the layer whose weights each layer reads (its own by default). before_product(index) is
-        called before each layer's product is launched, index counting them in order (4 a layer)."""
+        called before each layer's product is launched, index counting them in order (4 a layer).
+        activations: the dtype of x, the stream and the norm weights (the weights' by default)."""
         from dendrite_nb.kernels.gemv import gemv
 
         s = self.shape
         w_gu = self.w_gu.view(self.layers, 2 * s["inter"], s["hidden"])
+        dtype = activations or self.dtype
+        x0, nw_attn, nw_mlp, nw_final = (t.to(dtype) for t in (self.x0, self.nw_attn, self.nw_mlp, self.nw_final))
         config = (configs or {}).get
         sources = source_layers if source_layers is not None else range(self.layers)
         before = before_product or (lambda index: None)
 
         def run():
-            x, residual = self.x0, None   # the stream is x + residual
+            x, residual = x0, None   # the stream is x + residual
             for layer, source in enumerate(sources):
                 before(4 * layer)
-                qkv, stream = gemv(x, self.w_qkv[source], norm=(residual, self.nw_attn[source], EPS),
-                                   config=config("qkv"))
+                qkv, stream = gemv(x, self.w_qkv[source], norm=(residual, nw_attn[source], EPS), config=config("qkv"))
                 before(4 * layer + 1)
                 o = gemv(qkv[:, :s["attn"]], self.w_o[source], config=config("o"))
                 before(4 * layer + 2)
-                act, stream = gemv(o, w_gu[source], norm=(stream, self.nw_mlp[source], EPS), swiglu=True,
+                act, stream = gemv(o, w_gu[source], norm=(stream, nw_mlp[source], EPS), swiglu=True,
                                    config=config("gate_up"))
                 before(4 * layer + 3)
                 x, residual = gemv(act, self.w_down[source], config=config("down")), stream
-            return gemv(x, self.w_lm, norm=(residual, self.nw_final, EPS), config=config("lm_head"))[0].view(-1)
+            return gemv(x, self.w_lm, norm=(residual, nw_final, EPS), config=config("lm_head"))[0].view(-1)
         return run
 
     def reference(self) -> torch.Tensor:
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         if max(error, launches_error) > 1e-4:
             raise SystemExit("a chain does not match torch")
         return
-    from bench_common import graph_seconds, measure_copy_bandwidth
+    from bench_common import measure_copy_bandwidth
 
     chain = Chain(SHAPE_06B, args.layers, device, torch.bfloat16, generator)
     bandwidth = measure_copy_bandwidth(device)
@@ -284,11 +286,19 @@ def main(argv: list[str] | None = None) -> None:
         variants[f"persistent, {p}/SM ({p * sms} programs)"] = chain.persistent(p * sms, warps)
         variants[f"  {p}/SM, polling with acquire loads"] = chain.persistent(p * sms, warps, wait=2)
         variants[f"  {p}/SM, no waits (wrong; a bound)"] = chain.persistent(p * sms, warps, wait=0)
+    print_chain_times(variants, reference, device, floor_ms)
+
+
+def print_chain_times(variants: dict[str, Callable[[], torch.Tensor]], reference: torch.Tensor,
+                      device: torch.device, floor_ms: float, width: int = 36) -> None:
+    """Each chain's error against the float32 reference, then its time as a CUDA graph (median of 3 x 10 calls)."""
+    from bench_common import graph_seconds
+
     for label, run in variants.items():
         error = relative_error(run(), reference)
         seconds = [graph_seconds(run, device, calls=10, flush_l2=False) for _ in range(3)]
         ms = statistics.median(seconds) * 1e3
-        print(f"  {label:<36} {ms:7.3f} ms  {ms / floor_ms:5.2f}x floor   rel. error vs float32 {error:.2e}")
+        print(f"  {label:<{width}} {ms:7.3f} ms  {ms / floor_ms:5.2f}x floor   rel. error vs float32 {error:.2e}")
 
 
 if __name__ == "__main__":

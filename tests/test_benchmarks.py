@@ -212,26 +212,18 @@ def test_attention_tuner_times_each_launch_and_the_merge_alone(monkeypatch, caps
     assert all(float(number) > 0 for number in re.findall(r"([\d.]+) us", dissection))
 
 
-def test_persistent_chain_probe_matches_torch_in_the_interpreter(monkeypatch, capsys):
-    """probe_persistent_chain.py times a GPU kernel; in the interpreter (one program, tiny shapes) its chain and
-    the gemv launches it is compared with must equal torch's, or main() exits with an error."""
+@pytest.mark.parametrize("probe, says", [("probe_persistent_chain", "relative error"),
+                                         ("probe_fused_mlp", "fused-MLP chain relative error")])
+def test_chain_probes_match_torch_in_the_interpreter(probe, says, monkeypatch, capsys):
+    """The chain probes time GPU kernels; in the interpreter (tiny shapes) each of their chains must equal torch's,
+    or main() exits with an error: probe_persistent_chain's one persistent program and the gemv launches it is
+    compared with, probe_fused_mlp's fused MLP (partial outputs added with atomics) and its float32 control."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     triton = pytest.importorskip("triton")
     if not triton.knobs.runtime.interpret:
         pytest.skip("the probe's CPU check needs TRITON_INTERPRET=1 (the test session's default)")
-    importlib.import_module("probe_persistent_chain").main([])
-    assert "relative error" in capsys.readouterr().out
-
-
-def test_fused_mlp_probe_matches_torch_in_the_interpreter(monkeypatch, capsys):
-    """probe_fused_mlp.py times a GPU chain; in the interpreter (tiny shapes) its fused-MLP chain, whose programs
-    add their partial outputs with atomics, and its float32 control must equal torch's, or main() exits."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    triton = pytest.importorskip("triton")
-    if not triton.knobs.runtime.interpret:
-        pytest.skip("the probe's CPU check needs TRITON_INTERPRET=1 (the test session's default)")
-    importlib.import_module("probe_fused_mlp").main([])
-    assert "fused-MLP chain relative error" in capsys.readouterr().out
+    importlib.import_module(probe).main([])
+    assert says in capsys.readouterr().out
 
 
 def test_host_step_times_each_leaf_count_with_the_collector_on_and_the_heap_frozen(monkeypatch, capsys):
