@@ -24,6 +24,7 @@ import torch
 
 from dendrite_nb import Engine
 from dendrite_nb.attention import unavailable_reason
+from dendrite_nb.engine import DTYPES
 from dendrite_nb.kv import KVPool
 from dendrite_nb.model.config import ModelConfig
 from dendrite_nb.model.loader import random_model
@@ -39,7 +40,8 @@ UNAVAILABLE_ERRORS = (TypeError, ValueError, NotImplementedError, ImportError, R
 
 
 # ---- arguments and setup ----------------------------------------------------------------------
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = DTYPES  # --dtype's choices: the engine's own names for weight dtypes
+
 
 def parser(doc: str) -> argparse.ArgumentParser:
     """The shared options: --device, --dtype, --smoke, --json."""

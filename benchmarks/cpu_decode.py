@@ -1,4 +1,4 @@
-"""A decode step on the CPU (float32): the engine's CPU path against the reference path and transformers.
+"""A decode step on the CPU (float32 by default): the engine's CPU path against the reference path and transformers.
 
 The engine on a CPU runs the plain-torch model. Two parts of its step are measured on and off here:
   attention  torch-tree: a shared tree node's KV gathered once for all the leaves under it, one product against
@@ -15,7 +15,11 @@ Floor: the bytes a step must read once (the weights, the tied embedding as the L
 and each leaf's own) over the copy bandwidth measured here on 512 MiB (read + write, out of cache), or the
 step's FLOPs at the float32 matmul rate measured here (n = 1,024) if that is larger (on two cores it is, from about 8 leaves).
 
-    python benchmarks/cpu_decode.py [--shape qwen3-0.6b] [--leaves 1 5 16] [--steps 4] [--no-hf] [--json PATH] [--smoke]
+    python benchmarks/cpu_decode.py [--shape qwen3-0.6b] [--leaves 1 5 16] [--steps 4] [--dtype bfloat16] [--no-hf]
+                                    [--json PATH] [--smoke]
+
+--dtype bfloat16 (default float32) times the same step in bf16, transformers too; W @ x.T acts on float32 only,
+so there the two product settings are one (F.linear).
 """
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ import statistics
 
 import torch
 
-from bench_common import (DTYPE_NAMES, Column, Report, Setup, build_model, log, measure_floors, model_costs, parser, random_ids,
-                          time_calls)
+from bench_common import (DTYPE_NAMES, Column, Report, Setup, build_model, log, measure_floors, model_costs, parser,
+                          random_ids, time_calls)
 from decode_step import Case, hf_step_seconds, num_blocks
 from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.model import dense
