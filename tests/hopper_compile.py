@@ -19,6 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dendrite_nb.attention.triton_backend import ONE_TILE_WARPS
 from dendrite_nb.attention.triton_decode_kernel import decode_tile_attention_kernel
 from dendrite_nb.attention.triton_kernels import merge_partials_kernel, segment_attention_kernel
 from dendrite_nb.kernels.kv_append import _append_kv_kernel
@@ -52,13 +53,16 @@ def variants():
             caches = {"K": f"*{cache}", "V": f"*{cache}", "KS": "*fp32", "VS": "*fp32", "OUT_P": "*fp32",
                       "LSE_P": "*fp32"}
             common = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BS=16, FP8=fp8, IEEE=act == "fp32", PDL=True)
-            for has_norm in (True, False):
-                yield ("decode_tile_attention_kernel", f"{act} activations, {cache} cache, norms {has_norm}",
+            # Both tile widths the backend picks between (ONE_TILE_WIDTHS), with its ONE_TILE_WARPS warps; the wider
+            # only with norms, which type as the rest.
+            for block_n, has_norm in ((128, True), (128, False), (256, True)):
+                yield ("decode_tile_attention_kernel",
+                       f"{act} activations, {cache} cache, norms {has_norm}, {block_n}-position tiles",
                        decode_tile_attention_kernel,
                        {**tables, **caches, "SLOT_MAPPING": "*i32",
                         **{name: f"*{act}" for name in ("Q", "K_NEW", "V_NEW", "COS", "SIN", "Q_NORM", "K_NORM")}},
-                       dict(common, BLOCK_M=16, BLOCK_N=128, HAS_NORM=has_norm, INV_MAX=1 / 448, SCALE_FLOOR=1e-38),
-                       UNFUSED_FLOAT_OPS)
+                       dict(common, BLOCK_M=16, BLOCK_N=block_n, HAS_NORM=has_norm, INV_MAX=1 / 448,
+                            SCALE_FLOOR=1e-38), {**UNFUSED_FLOAT_OPS, "num_warps": ONE_TILE_WARPS})
             # The 128-row tile's float32 compile takes 40-50 s (ieee products) and types as the 16-row one does.
             for block_m, block_n in ((16, 64), (128, 64)) if act == "bf16" else ((16, 64),):
                 yield ("segment_attention_kernel", f"{act} activations, {cache} cache, {block_m} x {block_n} tiles",

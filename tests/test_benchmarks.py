@@ -185,7 +185,7 @@ def test_gpu_diagnostics_name_what_exists(monkeypatch):
         importlib.import_module("probe_prefix_prefill").main(["--smoke", "--device", "cpu"])
     # tune_one_tile.py and decode_step.py set these on an engine's backend to pick a launch or the general path.
     backend = TritonAttention()
-    assert backend.one_tile_programs_per_sm > 0 and len(backend.one_tile_launch) == 2
+    assert backend.one_tile_programs_per_sm > 0 and backend.one_tile_launch is None  # tune_one_tile sets a pair
     from dendrite_nb.cuda_graphs import ForwardGraphs
 
     assert "_graphs" in ForwardGraphs.__init__.__code__.co_names  # tune_one_tile.py replays the last graph

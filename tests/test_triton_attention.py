@@ -406,7 +406,7 @@ def test_fused_decode_launch_equals_rope_append_and_attend(device, shape, dtype,
     eng = Engine.from_random(TINY_SHAPES[shape].hf_config(vocab_size=256), device=device, dtype=str(dtype)[6:],
                              num_blocks=1024, block_size=4, kv_dtype=kv_dtype)
     rng = random.Random(5)
-    tile = TritonAttention()._one_tile_block_n()
+    tile = TritonAttention().one_tile_candidates()[0]
     lengths = [5, tile, tile + 1, 3 * tile - 1, 90]  # a new token at position `tile` opens a tile of its own
     leaves = [eng.new_branch(f"b{i}", [rng.randrange(200) for _ in range(n - 1)]) for i, n in enumerate(lengths)]
     eng.append_many([(leaf, [1]) for leaf in leaves])  # reserves each leaf's new slot (position n - 1)
@@ -425,7 +425,7 @@ def test_fused_decode_launch_equals_rope_append_and_attend(device, shape, dtype,
         backend = TritonAttention(one_tile_programs_per_sm=programs_per_sm)
         backend.configure(heads, kv_heads)
         plan = backend.plan(layout, 4, eng.device)
-        assert plan.one_tile == (programs_per_sm > 0)
+        assert plan.one_tile == (tile if programs_per_sm > 0 else 0)
         step = qkv.clone()
         q, k, v = step.split([heads, kv_heads, kv_heads], dim=1)
         out = backend.attend_with_rope(plan, kv, q, k, v, cos, sin, norms, 1e-6).clone()
@@ -486,14 +486,24 @@ def test_fused_decode_launch_is_planned_for_one_row_runs_that_fit_the_gpu():
     assert not backend.host_plan(decode_layout(eng.branch_tree, leaves, min_shared_tokens=1), 4, eng.device).one_tile
     prefill = BatchLayout(q_lens=[3], kv_lens=[3], block_tables=[[0]])
     assert not backend.host_plan(prefill, 4, eng.device).one_tile
+    narrow, wide = backend.one_tile_candidates()
+    kv_heads = eng.config.num_kv_heads
     backend.multiprocessors = 1  # as a GPU of one multiprocessor: too many tiles for its programs
-    tiles = sum(-(-kv // backend._one_tile_block_n()) for kv in flat.kv_lens)
-    assert tiles * eng.config.num_kv_heads > backend.one_tile_programs_per_sm
+    tiles = sum(-(-kv // wide) for kv in flat.kv_lens)
+    assert tiles * kv_heads > backend.one_tile_programs_per_sm
     assert not backend.host_plan(flat, 4, eng.device).one_tile
-    backend.multiprocessors = tiles * eng.config.num_kv_heads  # plenty
-    host = backend.host_plan(flat, 4, eng.device)
-    assert host.one_tile and host.shape().one_tile
-    assert all(end - start <= backend._one_tile_block_n() for _, _, start, end, _, _ in host.items[16].tolist())
+    narrow_programs = sum(-(-kv // narrow) for kv in flat.kv_lens) * kv_heads
+    assert narrow_programs > tiles * kv_heads  # the contexts span several narrow tiles
+    # The narrowest width while its programs stay within one_tile_narrow_fill a multiprocessor, else the widest.
+    for multiprocessors, width in ((int(narrow_programs / backend.one_tile_narrow_fill) + 1, narrow),
+                                   (int(tiles * kv_heads / backend.one_tile_programs_per_sm) + 1, wide)):
+        backend.multiprocessors = multiprocessors
+        host = backend.host_plan(flat, 4, eng.device)
+        assert host.one_tile == width and host.shape().one_tile == width
+        assert all(end - start <= width for _, _, start, end, _, _ in host.items[16].tolist())
+    # A graph captured for one tile width is not reused for another.
+    backend.multiprocessors = int(narrow_programs / backend.one_tile_narrow_fill) + 1
+    assert not backend.host_plan(flat, 4, eng.device).shape().fits(host.shape())
     # A graph captured for the fused launch is not reused for the general one, nor the reverse.
     general = TritonAttention(one_tile_programs_per_sm=0)
     general.configure(eng.config.num_heads, eng.config.num_kv_heads)

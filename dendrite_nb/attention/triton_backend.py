@@ -48,16 +48,23 @@ PROGRAMS_PER_SM = 2  # chunks are cut until each launch's items x KV heads fill 
 MERGE_BLOCK_H = 1
 MERGE_BLOCK_S = 8
 MERGE_WARPS = 1
-# A decode step of one-row runs (leaves that share nothing worth reading once) is cut into single KV tiles of
-# ONE_TILE_LAUNCH[0] positions, and RoPE, the KV append and the attention run in one launch per layer
-# (triton_decode_kernel.py) while its tiles x KV heads stay within ONE_TILE_PROGRAMS_PER_SM programs per
-# multiprocessor; beyond that, chunks of several tiles (the general kernel) write and merge fewer partials.
-# Measured on an H100 (benchmarks/tune_one_tile.py, one 0.6B leaf, decoder graph alone): with 128-position
-# tiles and 8 warps, the fastest of eight settings, 6% faster at 512 and 2,048 tokens (40 and 136 programs),
-# 3% slower at 4,096 (264) and 21% at 8,192 (520), where programs no longer start together and each waits with
-# its tile loaded. BLOCK_N, num_warps:
-ONE_TILE_LAUNCH = (128, 8)
+# A decode step of one-row runs (leaves that share nothing worth reading once) is cut into single KV tiles, and
+# RoPE, the KV append and the attention run in one launch per layer (triton_decode_kernel.py) while its tiles x
+# KV heads stay within ONE_TILE_PROGRAMS_PER_SM programs per multiprocessor; beyond that, chunks of several tiles
+# (the general kernel) write and merge fewer partials. The tile is the narrowest of ONE_TILE_WIDTHS whose
+# programs stay within ONE_TILE_NARROW_FILL per multiprocessor, else the widest; ONE_TILE_WARPS warps.
+# Measured with benchmarks/tune_one_tile.py (one 0.6B leaf, decoder graph alone). H100: 128-position tiles with 8
+# warps were the fastest of eight settings (without 256), 6% faster than the general path at 512 and 2,048 tokens
+# (40 and 136 programs), 3% slower at 4,096 (264) and 21% at 8,192 (520), where programs no longer start together
+# and each waits with its tile loaded. H200 (twenty-second session), graph ms, 128 / 256-wide: 0.611 / 0.679 at
+# 512 tokens (32 / 16 programs), 0.627 / 0.686 at 1,024, 0.637 / 0.693 at 1,536 (96 / 48), 0.775 / 0.708 at
+# 2,048 (128 / 64), and at 3,072 the general path's 0.820 / 0.727 (192 programs of 128 exceed 1.5 a
+# multiprocessor; 96 of 256): up to 96 programs the 128-wide tile is faster, from 128 on the 256-wide one.
+ONE_TILE_WIDTHS = (128, 256)
+ONE_TILE_WARPS = 8
+ONE_TILE_NARROW_FILL = 0.75  # programs per multiprocessor a narrower tile may take before the next width (99 of 132)
 ONE_TILE_PROGRAMS_PER_SM = 1.5
+INTERPRET_ONE_TILE_WIDTHS = (16, 32)  # the interpreter's (INTERPRET_BLOCK_N and twice it: tests reach both)
 # Partial outputs and their log-sum-exps are float32. low_precision_partials=True stores the outputs in the
 # activations' dtype instead (as FlashInfer's merge_state takes them): a long shared prefix writes one per chunk
 # and row (decode_step's (a): 16 MB a layer in float32) and the merge reads them back. Measured on an H100
@@ -83,7 +90,7 @@ class TritonPlan:
     num_slots: int
     slot_mapping: torch.Tensor  # [T] int32 flat cache slot of each new token
     launches: list[_Launch]
-    one_tile: bool  # PlanShape.one_tile: attend_with_rope may take the step in one launch per layer
+    one_tile: int  # PlanShape.one_tile: attend_with_rope may take the step in one launch per layer (its BLOCK_N)
     entry_rows: torch.Tensor  # [E] int32 query token of each (item, row) entry
     entry_pos: torch.Tensor  # [E] int32 its position, for the causal mask
     block_ids: torch.Tensor  # [NB] int32 the blocks the items read
@@ -102,15 +109,19 @@ class TritonAttention:
                  wide_block_n: int = BLOCK_N, short_run_launch: tuple[int, int, int] = SHORT_RUN_LAUNCH,
                  programs_per_sm: int = PROGRAMS_PER_SM,
                  merge_block: tuple[int, int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S, MERGE_WARPS),
-                 one_tile_launch: tuple[int, int] = ONE_TILE_LAUNCH,
+                 one_tile_launch: tuple[int, int] | None = None,
                  one_tile_programs_per_sm: float = ONE_TILE_PROGRAMS_PER_SM,
+                 one_tile_widths: tuple[int, ...] = ONE_TILE_WIDTHS, one_tile_narrow_fill: float = ONE_TILE_NARROW_FILL,
                  low_precision_partials: bool = LOW_PRECISION_PARTIALS):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
         self.wide_launch, self.narrow_launch = wide_launch, narrow_launch
         self.wide_block_n, self.short_run_launch = wide_block_n, short_run_launch
         self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
         # one_tile_programs_per_sm=0 keeps every step on the general kernels (benchmarks compare the two).
+        # one_tile_launch: one (BLOCK_N, num_warps) for every fused step, as tune_one_tile.py compares them; None:
+        # the width by the step's tiles (one_tile_widths, one_tile_narrow_fill) with ONE_TILE_WARPS.
         self.one_tile_launch, self.one_tile_programs_per_sm = one_tile_launch, one_tile_programs_per_sm
+        self.one_tile_widths, self.one_tile_narrow_fill = tuple(sorted(one_tile_widths)), one_tile_narrow_fill
         self.low_precision_partials = low_precision_partials
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
@@ -167,29 +178,44 @@ class TritonAttention:
         slot_mapping = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
         widths = (narrow,) + tuple(w for w in self.tile_widths if w > narrow)
         runs = self._runs(layout)
-        if self._fits_one_tile(layout, runs, device):
-            tile = self._one_tile_block_n()
+        tile = self._one_tile_width(layout, runs, device)
+        if tile:
             host = build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, lambda work: tile)
-            host.one_tile = True
+            host.one_tile = tile
             return host
         return build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, self._chunker(device))
 
-    def _one_tile_block_n(self) -> int:
-        return INTERPRET_BLOCK_N if interpreting() else self.one_tile_launch[0]
+    def one_tile_candidates(self) -> tuple[int, ...]:
+        """The fused decode kernel's tile widths (BLOCK_N), narrowest first."""
+        if interpreting():
+            return (INTERPRET_BLOCK_N,) if self.one_tile_launch is not None else INTERPRET_ONE_TILE_WIDTHS
+        return (self.one_tile_launch[0],) if self.one_tile_launch is not None else self.one_tile_widths
 
-    def _fits_one_tile(self, layout: BatchLayout, runs: list[tuple], device: torch.device) -> bool:
-        """Whether a step goes to the fused decode kernel: a decode step whose runs each have one row, few
-        enough tiles for the GPU (the interpreter takes any number, so tests reach the kernel)."""
+    def _one_tile_width(self, layout: BatchLayout, runs: list[tuple], device: torch.device) -> int:
+        """The fused decode kernel's BLOCK_N for this step, or 0 where the general kernels take it. It takes
+        decode steps whose runs each have one row, cut into tiles of the narrowest width whose programs (tiles x
+        KV heads) stay within one_tile_narrow_fill a multiprocessor, else of the widest, while those stay within
+        one_tile_programs_per_sm. The interpreter takes any number, so tests reach the kernel at the narrowest."""
         if (self.one_tile_programs_per_sm <= 0 or not layout.is_decode
                 or any(len(run[0]) != 1 for run in runs)):
-            return False
+            return 0
+        widths = self.one_tile_candidates()
         if self.multiprocessors is None and device.type != "cuda":
-            return True
-        programs = self.one_tile_programs_per_sm * self._multiprocessors(device)
-        if len(runs) * self.num_kv_heads > programs:  # each run is a tile at least: no need to count (1,000 rows)
-            return False
-        tile = self._one_tile_block_n()
-        return sum(-(-(end - start) // tile) for _, start, end, _ in runs) * self.num_kv_heads <= programs
+            return widths[0]
+        multiprocessors = self._multiprocessors(device)
+        most = self.one_tile_programs_per_sm * multiprocessors
+        if len(runs) * self.num_kv_heads > most:  # each run is a tile at least: no need to count (1,000 rows)
+            return 0
+
+        def programs(width: int) -> int:
+            return sum(-(-(end - start) // width) for _, start, end, _ in runs) * self.num_kv_heads
+        for width in widths[:-1]:
+            if programs(width) <= self.one_tile_narrow_fill * multiprocessors:
+                return width
+        return widths[-1] if programs(widths[-1]) <= most else 0
+
+    def _one_tile_warps(self) -> int:
+        return self.one_tile_launch[1] if self.one_tile_launch is not None else ONE_TILE_WARPS
 
     def _multiprocessors(self, device: torch.device) -> int:
         if self.multiprocessors is not None:
@@ -271,9 +297,9 @@ class TritonAttention:
             cos.stride(0), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
             partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E, eps,
             NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
-            BLOCK_M=max(16, triton_next_pow2(self.group)), BLOCK_N=self._one_tile_block_n(),
+            BLOCK_M=max(16, triton_next_pow2(self.group)), BLOCK_N=plan.one_tile,
             HAS_NORM=norm_weights is not None, FP8=kv.k_scale is not None, INV_MAX=INV_FP8_MAX,
-            SCALE_FLOOR=MIN_SCALE, IEEE=q.dtype == torch.float32, num_warps=self.one_tile_launch[1],
+            SCALE_FLOOR=MIN_SCALE, IEEE=q.dtype == torch.float32, num_warps=self._one_tile_warps(),
             **UNFUSED_FLOAT_OPS, **pdl_arguments(q),
         )
         return self.merge(plan, q)

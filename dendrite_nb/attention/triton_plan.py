@@ -31,9 +31,9 @@ class PlanShape:
     slots: int
     tokens: int
     short_runs: bool = False  # every item of the narrowest tile spans <= SHORT_RUN_TOKENS positions
-    # A decode step whose every item is one row's run of at most one KV tile: the fused decode kernel
-    # (triton_decode_kernel.py) may take it whole.
-    one_tile: bool = False
+    # A decode step whose every item is one row's run of at most one KV tile of this many positions: the fused
+    # decode kernel (triton_decode_kernel.py) may take it whole, with this BLOCK_N. 0: not such a step.
+    one_tile: int = 0
 
     def sections(self) -> list[tuple[str, int]]:
         return ([(f"items{block_m}", count * ITEM_COLS) for block_m, count in self.items]
@@ -51,7 +51,7 @@ class PlanShape:
                 and other.entries <= self.entries and other.blocks <= self.blocks
                 and other.slots <= self.slots and other.tokens <= self.tokens
                 and other.short_runs == self.short_runs  # a captured launch keeps its KV step
-                and other.one_tile == self.one_tile)  # and its kernel
+                and other.one_tile == self.one_tile)  # and its kernel and tile
 
     def padded(self, min_tokens: int) -> PlanShape:
         """The next power-of-two shape (so a graph serves many steps of a growing context)."""
@@ -74,7 +74,7 @@ class HostPlan:
     slots: np.ndarray  # [S]
     slot_mapping: np.ndarray  # [T] flat cache slot of each new token
     num_slots: int
-    one_tile: bool = False  # see PlanShape.one_tile
+    one_tile: int = 0  # see PlanShape.one_tile
 
     @property
     def num_tokens(self) -> int:
