@@ -494,15 +494,15 @@ def test_fused_decode_launch_is_planned_for_one_row_runs_that_fit_the_gpu():
     assert not backend.host_plan(flat, 4, eng.device).one_tile
     narrow_programs = sum(-(-kv // narrow) for kv in flat.kv_lens) * kv_heads
     assert narrow_programs > tiles * kv_heads  # the contexts span several narrow tiles
-    # The narrowest width while its programs stay within one_tile_narrow_fill a multiprocessor, else the widest.
-    for multiprocessors, width in ((int(narrow_programs / backend.one_tile_narrow_fill) + 1, narrow),
-                                   (int(tiles * kv_heads / backend.one_tile_programs_per_sm) + 1, wide)):
+    # The narrowest width whose programs stay within one_tile_programs_per_sm a multiprocessor.
+    fill = backend.one_tile_programs_per_sm
+    for multiprocessors, width in ((int(narrow_programs / fill) + 1, narrow), (int(tiles * kv_heads / fill) + 1, wide)):
         backend.multiprocessors = multiprocessors
         host = backend.host_plan(flat, 4, eng.device)
         assert host.one_tile == width and host.shape().one_tile == width
         assert all(end - start <= width for _, _, start, end, _, _ in host.items[16].tolist())
     # A graph captured for one tile width is not reused for another.
-    backend.multiprocessors = int(narrow_programs / backend.one_tile_narrow_fill) + 1
+    backend.multiprocessors = int(narrow_programs / fill) + 1
     assert not backend.host_plan(flat, 4, eng.device).shape().fits(host.shape())
     # A graph captured for the fused launch is not reused for the general one, nor the reverse.
     general = TritonAttention(one_tile_programs_per_sm=0)

@@ -49,21 +49,20 @@ MERGE_BLOCK_H = 1
 MERGE_BLOCK_S = 8
 MERGE_WARPS = 1
 # A decode step of one-row runs (leaves that share nothing worth reading once) is cut into single KV tiles, and
-# RoPE, the KV append and the attention run in one launch per layer (triton_decode_kernel.py) while its tiles x
-# KV heads stay within ONE_TILE_PROGRAMS_PER_SM programs per multiprocessor; beyond that, chunks of several tiles
-# (the general kernel) write and merge fewer partials. The tile is the narrowest of ONE_TILE_WIDTHS whose
-# programs stay within ONE_TILE_NARROW_FILL per multiprocessor, else the widest; ONE_TILE_WARPS warps.
+# RoPE, the KV append and the attention run in one launch per layer (triton_decode_kernel.py): with the narrowest
+# of ONE_TILE_WIDTHS whose programs (tiles x KV heads) stay within ONE_TILE_PROGRAMS_PER_SM a multiprocessor,
+# ONE_TILE_WARPS warps. Past that, chunks of several tiles (the general kernel) write and merge fewer partials.
 # Measured with benchmarks/tune_one_tile.py (one 0.6B leaf, decoder graph alone). H100: 128-position tiles with 8
 # warps were the fastest of eight settings (without 256), 6% faster than the general path at 512 and 2,048 tokens
 # (40 and 136 programs), 3% slower at 4,096 (264) and 21% at 8,192 (520), where programs no longer start together
-# and each waits with its tile loaded. H200 (twenty-second session), graph ms, 128 / 256-wide: 0.611 / 0.679 at
-# 512 tokens (32 / 16 programs), 0.627 / 0.686 at 1,024, 0.637 / 0.693 at 1,536 (96 / 48), 0.775 / 0.708 at
-# 2,048 (128 / 64), and at 3,072 the general path's 0.820 / 0.727 (192 programs of 128 exceed 1.5 a
-# multiprocessor; 96 of 256): up to 96 programs the 128-wide tile is faster, from 128 on the 256-wide one.
+# and each waits with its tile loaded. H200 (twenty-second session), graph ms, 128 / 256-wide / general: 0.616 /
+# 0.689 / 0.662 at 512 tokens (32 / 16 programs); 0.627 / 0.686 at 1,024; 0.637 / 0.693 at 1,536 (96 / 48);
+# 0.781 / 0.717 / 0.830 at 2,048 (128 / 64); 0.740 / 0.826 general at 3,072 (96 programs of 256); 0.922 / 0.904
+# general at 4,096 (128 programs of 256). So a width while its programs stay within about 0.75 a multiprocessor
+# (99 of 132), the narrowest first.
 ONE_TILE_WIDTHS = (128, 256)
 ONE_TILE_WARPS = 8
-ONE_TILE_NARROW_FILL = 0.75  # programs per multiprocessor a narrower tile may take before the next width (99 of 132)
-ONE_TILE_PROGRAMS_PER_SM = 1.5
+ONE_TILE_PROGRAMS_PER_SM = 0.75
 INTERPRET_ONE_TILE_WIDTHS = (16, 32)  # the interpreter's (INTERPRET_BLOCK_N and twice it: tests reach both)
 # Partial outputs and their log-sum-exps are float32. low_precision_partials=True stores the outputs in the
 # activations' dtype instead (as FlashInfer's merge_state takes them): a long shared prefix writes one per chunk
@@ -111,7 +110,7 @@ class TritonAttention:
                  merge_block: tuple[int, int, int] = (MERGE_BLOCK_H, MERGE_BLOCK_S, MERGE_WARPS),
                  one_tile_launch: tuple[int, int] | None = None,
                  one_tile_programs_per_sm: float = ONE_TILE_PROGRAMS_PER_SM,
-                 one_tile_widths: tuple[int, ...] = ONE_TILE_WIDTHS, one_tile_narrow_fill: float = ONE_TILE_NARROW_FILL,
+                 one_tile_widths: tuple[int, ...] = ONE_TILE_WIDTHS,
                  low_precision_partials: bool = LOW_PRECISION_PARTIALS):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
         self.wide_launch, self.narrow_launch = wide_launch, narrow_launch
@@ -119,9 +118,9 @@ class TritonAttention:
         self.programs_per_sm, self.merge_block = programs_per_sm, merge_block
         # one_tile_programs_per_sm=0 keeps every step on the general kernels (benchmarks compare the two).
         # one_tile_launch: one (BLOCK_N, num_warps) for every fused step, as tune_one_tile.py compares them; None:
-        # the width by the step's tiles (one_tile_widths, one_tile_narrow_fill) with ONE_TILE_WARPS.
+        # the narrowest of one_tile_widths that fits (see _one_tile_width), with ONE_TILE_WARPS.
         self.one_tile_launch, self.one_tile_programs_per_sm = one_tile_launch, one_tile_programs_per_sm
-        self.one_tile_widths, self.one_tile_narrow_fill = tuple(sorted(one_tile_widths)), one_tile_narrow_fill
+        self.one_tile_widths = tuple(sorted(one_tile_widths))
         self.low_precision_partials = low_precision_partials
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
         self._sms: dict[torch.device, int] = {}
@@ -194,25 +193,21 @@ class TritonAttention:
     def _one_tile_width(self, layout: BatchLayout, runs: list[tuple], device: torch.device) -> int:
         """The fused decode kernel's BLOCK_N for this step, or 0 where the general kernels take it. It takes
         decode steps whose runs each have one row, cut into tiles of the narrowest width whose programs (tiles x
-        KV heads) stay within one_tile_narrow_fill a multiprocessor, else of the widest, while those stay within
-        one_tile_programs_per_sm. The interpreter takes any number, so tests reach the kernel at the narrowest."""
+        KV heads) stay within one_tile_programs_per_sm a multiprocessor. The interpreter takes any number, so
+        tests reach the kernel (at the narrowest width unless `multiprocessors` is set)."""
         if (self.one_tile_programs_per_sm <= 0 or not layout.is_decode
                 or any(len(run[0]) != 1 for run in runs)):
             return 0
         widths = self.one_tile_candidates()
         if self.multiprocessors is None and device.type != "cuda":
             return widths[0]
-        multiprocessors = self._multiprocessors(device)
-        most = self.one_tile_programs_per_sm * multiprocessors
+        most = self.one_tile_programs_per_sm * self._multiprocessors(device)
         if len(runs) * self.num_kv_heads > most:  # each run is a tile at least: no need to count (1,000 rows)
             return 0
-
-        def programs(width: int) -> int:
-            return sum(-(-(end - start) // width) for _, start, end, _ in runs) * self.num_kv_heads
-        for width in widths[:-1]:
-            if programs(width) <= self.one_tile_narrow_fill * multiprocessors:
+        for width in widths:
+            if sum(-(-(end - start) // width) for _, start, end, _ in runs) * self.num_kv_heads <= most:
                 return width
-        return widths[-1] if programs(widths[-1]) <= most else 0
+        return 0
 
     def _one_tile_warps(self) -> int:
         return self.one_tile_launch[1] if self.one_tile_launch is not None else ONE_TILE_WARPS
