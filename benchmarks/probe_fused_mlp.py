@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from probe_persistent_chain import EPS, SHAPE_06B, TINY, Chain, print_chain_times, relative_error
+from probe_persistent_chain import (EPS, TINY, Chain, print_chain_times, probe_device, real_shape_chain,
+                                    relative_error)
 from dendrite_nb.kernels.gemv import gemv
 from dendrite_nb.kernels.pdl import pdl_arguments, wait_for_inputs
 from dendrite_nb.kernels.swiglu import silu_times_up
@@ -109,13 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-i", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     args = parser.parse_args(argv)
-    interpreting = triton.knobs.runtime.interpret
-    if not torch.cuda.is_available() and not interpreting:
-        raise SystemExit("run it on a GPU, or on the CPU with TRITON_INTERPRET=1 (tiny shapes)")
-    device = torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
-    generator = torch.Generator().manual_seed(0)
+    device = probe_device("tiny shapes")
     if device.type == "cpu":
-        chain = Chain(TINY, 2, device, torch.float32, generator)
+        chain = Chain(TINY, 2, device, torch.float32, torch.Generator().manual_seed(0))
         reference = chain.reference()
         error = relative_error(FusedMlpChain(chain).launches(16, 4)(), reference)
         control_error = relative_error(chain.launches(activations=torch.float32)(), reference)
@@ -124,13 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         if max(error, control_error) > 1e-4:
             raise SystemExit("the fused-MLP chain does not match torch")
         return
-    from bench_common import measure_copy_bandwidth
-
-    chain = Chain(SHAPE_06B, args.layers, device, torch.bfloat16, generator)
+    chain, bandwidth, floor_ms, reference = real_shape_chain(args.layers, device)
     fused = FusedMlpChain(chain)
-    bandwidth = measure_copy_bandwidth(device)
-    floor_ms = chain.weight_bytes / bandwidth * 1e3
-    reference = chain.reference()
     print(f"{torch.cuda.get_device_name(device)}: 0.6B chain of products, {args.layers} layers + LM head, one row, "
           f"bf16 weights: {chain.weight_bytes / 1e9:.2f} GB; floor {floor_ms:.3f} ms at {bandwidth / 1e12:.2f} TB/s")
     variants = {"gemv launches, 4 a layer (the engine's)": chain.launches(),

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_common import graph_seconds, measure_copy_bandwidth
-from probe_persistent_chain import SHAPE_06B, Chain, relative_error
+from bench_common import graph_seconds
+from probe_persistent_chain import Chain, real_shape_chain, relative_error
 
 LINE_BYTES = 128
 BULK_BYTES = 1 << 16
@@ -109,10 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this probe times L2 prefetches on a GPU (inline PTX); there is no CUDA device here")
     device = torch.device("cuda")
-    chain = Chain(SHAPE_06B, args.layers, device, torch.bfloat16, torch.Generator().manual_seed(0))
-    bandwidth = measure_copy_bandwidth(device)
-    floor_ms = chain.weight_bytes / bandwidth * 1e3
-    reference = chain.reference()
+    chain, bandwidth, floor_ms, reference = real_shape_chain(args.layers, device)
     l2_mib = torch.cuda.get_device_properties(device).L2_cache_size / 2**20
     print(f"0.6B chain of products, {args.layers} layers + LM head, one row, bf16: {chain.weight_bytes / 1e9:.2f} GB; "
           f"floor {floor_ms:.3f} ms at {bandwidth / 1e12:.2f} TB/s (copy bandwidth); L2 {l2_mib:.0f} MiB")

@@ -256,13 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
-    interpreting = triton.knobs.runtime.interpret
-    if not torch.cuda.is_available() and not interpreting:
-        raise SystemExit("run it on a GPU, or on the CPU with TRITON_INTERPRET=1 (one program, tiny shapes)")
-    device = torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
-    generator = torch.Generator().manual_seed(0)
+    device = probe_device("one program, tiny shapes")
     if device.type == "cpu":   # the interpreter runs programs one after another: one program, or it would spin
-        chain = Chain(TINY, 2, device, torch.float32, generator)
+        chain = Chain(TINY, 2, device, torch.float32, torch.Generator().manual_seed(0))
         reference = chain.reference()
         error = relative_error(chain.persistent(1)(), reference)
         launches_error = relative_error(chain.launches()(), reference)
@@ -271,12 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         if max(error, launches_error) > 1e-4:
             raise SystemExit("a chain does not match torch")
         return
-    from bench_common import measure_copy_bandwidth
-
-    chain = Chain(SHAPE_06B, args.layers, device, torch.bfloat16, generator)
-    bandwidth = measure_copy_bandwidth(device)
-    floor_ms = chain.weight_bytes / bandwidth * 1e3
-    reference = chain.reference()
+    chain, bandwidth, floor_ms, reference = real_shape_chain(args.layers, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     print(f"0.6B chain of products, {args.layers} layers + LM head, one row, bf16: {chain.weight_bytes / 1e9:.2f} GB "
           f"of weights; floor {floor_ms:.3f} ms at {bandwidth / 1e12:.2f} TB/s (copy bandwidth)")
@@ -287,6 +278,24 @@ def main(argv: list[str] | None = None) -> None:
         variants[f"  {p}/SM, polling with acquire loads"] = chain.persistent(p * sms, warps, wait=2)
         variants[f"  {p}/SM, no waits (wrong; a bound)"] = chain.persistent(p * sms, warps, wait=0)
     print_chain_times(variants, reference, device, floor_ms)
+
+
+def probe_device(interpreter_shapes: str) -> torch.device:
+    """cuda, or the CPU under TRITON_INTERPRET=1 (the probes' correctness check); otherwise exit saying so."""
+    interpreting = triton.knobs.runtime.interpret
+    if not torch.cuda.is_available() and not interpreting:
+        raise SystemExit(f"run it on a GPU, or on the CPU with TRITON_INTERPRET=1 ({interpreter_shapes})")
+    return torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
+
+
+def real_shape_chain(layers: int, device: torch.device) -> tuple[Chain, float, float, torch.Tensor]:
+    """The 0.6B chain in bf16 (seed 0), the copy bandwidth measured here (bytes/s), the weights' floor (ms) and
+    the float32 reference logits: what each chain probe times its variants against."""
+    from bench_common import measure_copy_bandwidth
+
+    chain = Chain(SHAPE_06B, layers, device, torch.bfloat16, torch.Generator().manual_seed(0))
+    bandwidth = measure_copy_bandwidth(device)
+    return chain, bandwidth, chain.weight_bytes / bandwidth * 1e3, chain.reference()
 
 
 def print_chain_times(variants: dict[str, Callable[[], torch.Tensor]], reference: torch.Tensor,

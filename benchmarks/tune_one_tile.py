@@ -46,9 +46,9 @@ def warm_engine(model, setup, context: int, steps: int, launch: tuple[int, int] 
     return engine, leaf
 
 
-def decoder_graph(engine):
-    """The decode graph the engine replayed last (one leaf: the smallest bucket)."""
-    return list(engine._graphs._graphs.values())[-1].graph
+def last_capture(engine):
+    """The decode graph the engine replayed last (one leaf: the smallest bucket), with its plan shape."""
+    return list(engine._graphs._graphs.values())[-1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,12 +79,12 @@ def main(argv: list[str] | None = None) -> None:
             for (engine, leaf), seconds in zip(engines, times):
                 seconds += time_calls(functools.partial(engine.generate, [leaf], args.steps, GREEDY), setup.device, 1)
         ms = [statistics.median(seconds) / args.steps * 1e3 for seconds in times]
-        graph_ms = [per_replay_seconds(decoder_graph(engine).replay, 200) * 1e3 for engine, _ in engines]
+        graph_ms = [per_replay_seconds(last_capture(engine).graph.replay, 200) * 1e3 for engine, _ in engines]
         for (engine, _), launch, step, graph in zip(engines, variants, ms, graph_ms):
             if launch is None:
                 name, note = "3 launches", ""
             elif launch == "default":
-                tile = list(engine._graphs._graphs.values())[-1].shape.one_tile  # the last step's plan, as replayed
+                tile = last_capture(engine).shape.one_tile  # the last step's plan, as replayed
                 choice = f"{tile}, {ONE_TILE_WARPS}w" if tile else "the general path"
                 name, note = "default", f"  (the engine's choice now: {choice})"
             else:
