@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from ..kernels.kv_append import append_kv as append_kv_kernel
 from ..kernels.pdl import pdl_arguments
@@ -64,6 +65,12 @@ ONE_TILE_WIDTHS = (128, 256)
 ONE_TILE_WARPS = 8
 ONE_TILE_PROGRAMS_PER_SM = 0.75
 INTERPRET_ONE_TILE_WIDTHS = (16, 32)  # the interpreter's (INTERPRET_BLOCK_N and twice it: tests reach both)
+# Shared memory: the settings above were tuned on Hopper (227 KB a block). GPUs with 99 KB a block (DGX Spark's
+# GB10, RTX 40xx/50xx, L40S) cannot run a bf16 256-wide fused tile (135 KB) nor float32's wide launch (164 KB);
+# a float32 256-wide fused tile (270 KB) fits no GPU. A launch that does not fit steps down (smaller_launch) and
+# a fused width that does not fit gives way to the general kernels, once per backend (tests/hopper_compile.py
+# prints each variant's bytes; benchmarks/REPORT.md has the table).
+MIN_BLOCK_N = 16  # tl.dot's smallest tile side
 # Partial outputs and their log-sum-exps are float32. low_precision_partials=True stores the outputs in the
 # activations' dtype instead (as FlashInfer's merge_state takes them): a long shared prefix writes one per chunk
 # and row (decode_step's (a): 16 MB a layer in float32) and the merge reads them back. Measured on an H100
@@ -123,6 +130,10 @@ class TritonAttention:
         self.one_tile_widths = tuple(sorted(one_tile_widths))
         self.low_precision_partials = low_precision_partials
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
+        # Shared memory this GPU lacked (see MIN_BLOCK_N): the fused widths that did not fit, per device, and the
+        # settings each general launch stepped down to, by (device, dtypes, BLOCK_M, settings asked for).
+        self._unfit_one_tile: dict[torch.device, set[int]] = {}
+        self._fitted_launches: dict[tuple, tuple[int, int, int]] = {}
         self._sms: dict[torch.device, int] = {}
         # Plan for a GPU of this many multiprocessors instead of the device's (benchmarks/host_step.py times
         # a GPU's plans on the CPU, where the interpreter's small chunks would make them far larger).
@@ -198,7 +209,10 @@ class TritonAttention:
         if (self.one_tile_programs_per_sm <= 0 or not layout.is_decode
                 or any(len(run[0]) != 1 for run in runs)):
             return 0
-        widths = self.one_tile_candidates()
+        unfit = self.unfit_one_tile_widths(device)
+        widths = [width for width in self.one_tile_candidates() if width not in unfit]
+        if not widths:
+            return 0
         if self.multiprocessors is None and device.type != "cuda":
             return widths[0]
         most = self.one_tile_programs_per_sm * self._multiprocessors(device)
@@ -208,6 +222,15 @@ class TritonAttention:
             if sum(-(-(end - start) // width) for _, start, end, _ in runs) * self.num_kv_heads <= most:
                 return width
         return 0
+
+    def unfit_one_tile_widths(self, device: torch.device | str) -> frozenset[int]:
+        """The fused decode widths that needed more shared memory than `device` has, so far."""
+        return frozenset(self._unfit_one_tile.get(_device_key(torch.device(device)), ()))
+
+    def stepped_down_launches(self) -> list[tuple[int, tuple[int, int, int], tuple[int, int, int]]]:
+        """(BLOCK_M, (BLOCK_N, warps, stages) asked for, settings that fit) of each general launch that needed
+        more shared memory than its GPU has, so far."""
+        return sorted({(key[3], key[4], fitted) for key, fitted in self._fitted_launches.items() if key[4] != fitted})
 
     def _one_tile_warps(self) -> int:
         return self.one_tile_launch[1] if self.one_tile_launch is not None else ONE_TILE_WARPS
@@ -267,13 +290,17 @@ class TritonAttention:
                          cos: torch.Tensor, sin: torch.Tensor, norm_weights, eps: float) -> torch.Tensor:
         """RoPE (after Qwen3's q/k norms where norm_weights are given) on the step's q and k, the KV append, and
         the attention -> [T, heads, head_dim]. A one-tile decode plan takes two launches (triton_decode_kernel.py,
-        quantising to fp8 where the cache is; then the merge); any other, three (rope_and_append, then attend).
+        quantising to fp8 where the cache is; then the merge); any other, three (rope_and_append, then attend), as
+        does a one-tile plan whose width needs more shared memory than the GPU has (later plans skip that width).
         q, k, v [T, heads | kv_heads, head_dim] are the raw projections; the two-launch path leaves them as
         they are, the other rotates q and k in place."""
-        if not plan.one_tile:
-            self.rope_and_append(plan, kv, q, k, v, cos, sin, norm_weights, eps)
-            return self.attend(plan, q, kv)
-        return self._attend_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
+        if plan.one_tile and plan.one_tile not in self.unfit_one_tile_widths(q.device):
+            try:
+                return self._attend_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
+            except OutOfResources:  # raised before launching: nothing ran. Later plans skip this width.
+                self._unfit_one_tile.setdefault(_device_key(q.device), set()).add(plan.one_tile)
+        self.rope_and_append(plan, kv, q, k, v, cos, sin, norm_weights, eps)
+        return self.attend(plan, q, kv)
 
     def _attend_one_tile(self, plan, kv, q, k, v, cos, sin, norm_weights, eps) -> torch.Tensor:
         self._check_group(q, kv)
@@ -322,14 +349,31 @@ class TritonAttention:
             else:
                 block_n, (warps, stages) = BLOCK_N, self.narrow_launch
             block_n = INTERPRET_BLOCK_N if interpreting() else block_n
-            compiled.append(segment_attention_kernel[(launch.items.shape[0], kv_heads)](
-                q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos, plan.block_ids,
-                q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), stride_sb, stride_st,
-                partial.stride(0), partial.stride(1), head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
-                NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
-                BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
-                WAIT_AT_END=index > 0, num_warps=warps, num_stages=stages, **pdl_arguments(q),
-            ))
+            asked = (block_n, warps, stages)
+            key = (q.device, q.dtype, kv.k.dtype, launch.block_m, asked)
+            settings = self._fitted_launches.get(key, asked)
+            while True:
+                block_n, warps, stages = settings
+                try:
+                    compiled.append(segment_attention_kernel[(launch.items.shape[0], kv_heads)](
+                        q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos,
+                        plan.block_ids, q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
+                        stride_sb, stride_st, partial.stride(0), partial.stride(1),
+                        head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
+                        NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
+                        BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
+                        WAIT_AT_END=index > 0, num_warps=warps, num_stages=stages, **pdl_arguments(q),
+                    ))
+                    break
+                except OutOfResources as error:  # raised before launching: nothing ran
+                    settings = smaller_launch(settings)
+                    if settings is None:
+                        raise RuntimeError(
+                            f"the Triton attention's smallest launch for {launch.block_m}-row tiles of "
+                            f"{str(q.dtype).removeprefix('torch.')} needs more {error.name} than this GPU has "
+                            f"({error.required} bytes; the limit is {error.limit}). Use attention='flashinfer' "
+                            f"or 'torch'.") from error
+            self._fitted_launches[key] = settings
         return compiled
 
     def _check_group(self, q: torch.Tensor, kv: LayerKV) -> None:
@@ -368,6 +412,25 @@ class TritonAttention:
     def configure(self, num_heads: int, num_kv_heads: int) -> None:
         """Tell the planner the model's head layout: rows per tile depend on the GQA group size."""
         self.group, self.num_kv_heads = num_heads // num_kv_heads, num_kv_heads
+
+
+def _device_key(device: torch.device) -> torch.device:
+    """One key for 'cuda' and the current 'cuda:N': plans get the engine's device, launches their tensors'."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def smaller_launch(settings: tuple[int, int, int]) -> tuple[int, int, int] | None:
+    """The next (BLOCK_N, num_warps, num_stages) to try after `settings` needed more shared memory than the GPU
+    has: fewer pipeline stages first (each stage buffers a K and a V tile), then half the KV positions a step,
+    down to (MIN_BLOCK_N, num_warps, 1); None past that."""
+    block_n, warps, stages = settings
+    if stages > 1:
+        return block_n, warps, stages - 1
+    if block_n > MIN_BLOCK_N:
+        return block_n // 2, warps, 1
+    return None
 
 
 def _scale_arguments(kv: LayerKV, stand_in: torch.Tensor) -> tuple:
