@@ -294,7 +294,7 @@ class TritonAttention:
         does a one-tile plan whose width needs more shared memory than the GPU has (later plans skip that width).
         q, k, v [T, heads | kv_heads, head_dim] are the raw projections; the two-launch path leaves them as
         they are, the other rotates q and k in place."""
-        if plan.one_tile and plan.one_tile not in self.unfit_one_tile_widths(q.device):
+        if plan.one_tile and plan.one_tile not in self._unfit_one_tile.get(q.device, ()):  # q.device: cuda:N
             try:
                 return self._attend_one_tile(plan, kv, q, k, v, cos, sin, norm_weights, eps)
             except OutOfResources:  # raised before launching: nothing ran. Later plans skip this width.
