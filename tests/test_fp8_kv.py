@@ -101,6 +101,23 @@ def test_unsupported_dtypes_are_refused_with_the_choices(options, message):
 
 # ---- the engine --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("capability, runs", [((8, 0), False), ((8, 6), False), ((8, 9), True), ((12, 1), True)])
+def test_triton_takes_an_fp8_cache_only_on_gpus_with_e4m3(capability, runs, monkeypatch):
+    """Triton's fp8e4nv does not compile below compute capability 8.9 (A100, RTX 30xx): the backend says so
+    before any kernel is built, and `auto` picks another one that can keep an fp8 cache."""
+    pytest.importorskip("triton")
+    from dendrite_nb.attention import make_backend, unavailable_reason
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda")
+    reason = unavailable_reason("triton", cuda, torch.bfloat16, 128, torch.float8_e4m3fn)
+    assert (reason is None) == runs
+    if not runs:
+        assert "8.9" in reason and ".".join(map(str, capability)) in reason
+        assert make_backend("auto", cuda, torch.bfloat16, 128, torch.float8_e4m3fn).name != "triton"
+    assert unavailable_reason("triton", cuda, torch.bfloat16, 128, torch.bfloat16) is None  # bf16 KV: any GPU
+
+
 def test_fp8_logits_track_a_float32_kv_cache_after_a_prompt_and_16_greedy_steps():
     reference = Engine.from_random(CONFIG, device="cpu", num_blocks=64, block_size=4)
     eng = fp8_engine()

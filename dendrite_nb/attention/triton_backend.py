@@ -71,6 +71,7 @@ INTERPRET_ONE_TILE_WIDTHS = (16, 32)  # the interpreter's (INTERPRET_BLOCK_N and
 # a fused width that does not fit gives way to the general kernels, once per backend (tests/hopper_compile.py
 # prints each variant's bytes; benchmarks/REPORT.md has the table).
 MIN_BLOCK_N = 16  # tl.dot's smallest tile side
+FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 in hardware, which Triton's fp8e4nv needs
 # Partial outputs and their log-sum-exps are float32. low_precision_partials=True stores the outputs in the
 # activations' dtype instead (as FlashInfer's merge_state takes them): a long shared prefix writes one per chunk
 # and row (decode_step's (a): 16 MB a layer in float32) and the merge reads them back. Measured on an H100
@@ -150,6 +151,12 @@ class TritonAttention:
             return f"dtype {dtype} is not supported"
         if kv_dtype not in (dtype, torch.float8_e4m3fn):
             return f"the KV dtype must be the model's or float8_e4m3fn, got {kv_dtype}"
+        if kv_dtype == torch.float8_e4m3fn and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < FP8_CAPABILITY:  # Triton has no e4m3 conversions below it (A100, RTX 30xx)
+                return (f"an fp8 (e4m3) KV cache needs a GPU of compute capability "
+                        f"{'.'.join(map(str, FP8_CAPABILITY))} or later (Ada, Hopper, Blackwell) for Triton's e4m3 "
+                        f"conversions; this one is {'.'.join(map(str, capability))}")
         return None
 
     # ---- plan ---------------------------------------------------------------------------------------
