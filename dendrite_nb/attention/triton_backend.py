@@ -68,7 +68,7 @@ INTERPRET_ONE_TILE_WIDTHS = (16, 32)  # the interpreter's (INTERPRET_BLOCK_N and
 # Shared memory: the settings above were tuned on Hopper (227 KB a block). GPUs with 99 KB a block (DGX Spark's
 # GB10, RTX 40xx/50xx, L40S) cannot run a bf16 256-wide fused tile (135 KB) nor float32's wide launch (164 KB);
 # a float32 256-wide fused tile (270 KB) fits no GPU. A launch that does not fit steps down (smaller_launch) and
-# a fused width that does not fit gives way to the general kernels, once per backend (tests/hopper_compile.py
+# a fused width that does not fit gives way to the general kernels, once per backend (tests/gpu_compile.py
 # prints each variant's bytes; benchmarks/REPORT.md has the table).
 MIN_BLOCK_N = 16  # tl.dot's smallest tile side
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 in hardware, which Triton's fp8e4nv needs

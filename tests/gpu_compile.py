@@ -1,17 +1,21 @@
-"""Compile the attention, RoPE and KV-append kernels for a Hopper GPU (sm_90) on a machine without one.
+"""Compile the attention, RoPE and KV-append kernels for a GPU this machine does not have: Hopper (sm_90: H100,
+H200) or consumer Blackwell (sm_120: DGX Spark's GB10 is sm_121, the same instructions; RTX 50xx).
 
 Triton's CPU interpreter, which the CPU tests run the kernels in, does not type-check the code as the compiler
 does: a value whose dtype changes inside a runtime `if`, say, runs there and fails to compile on a GPU. This
-script runs each kernel variant through the compiler front end and PTX assembly for sm_90, and prints one JSON
-line per variant: {"kernel": ..., "variant": ..., "error": null | "..."}.
+script runs each kernel variant through the compiler front end and PTX assembly for the chosen GPU, and prints
+one JSON line per variant: {"kernel", "variant", "arch", "shared_bytes" (a block's shared memory), "error"}.
+Pointer and stride arguments are taken as multiples of 16, as Triton's JIT specialises the engine's (so the
+loads pipeline, and shared memory is what the GPU will be asked for).
 
 Run it with TRITON_INTERPRET unset (the interpreter replaces @triton.jit) and a fresh TRITON_CACHE_DIR, so that
 nothing is taken from an earlier compile:
 
-    env -u TRITON_INTERPRET TRITON_CACHE_DIR=$(mktemp -d) python tests/hopper_compile.py
+    env -u TRITON_INTERPRET TRITON_CACHE_DIR=$(mktemp -d) python tests/gpu_compile.py [--arch 90|120]
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 
@@ -19,28 +23,31 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dendrite_nb.attention.triton_backend import ONE_TILE_WARPS
+from dendrite_nb.attention.triton_backend import BLOCK_N, NARROW_LAUNCH, ONE_TILE_WARPS, WIDE_LAUNCH
 from dendrite_nb.attention.triton_decode_kernel import decode_tile_attention_kernel
 from dendrite_nb.attention.triton_kernels import merge_partials_kernel, segment_attention_kernel
 from dendrite_nb.kernels.kv_append import _append_kv_kernel
 from dendrite_nb.kernels.rope import UNFUSED_FLOAT_OPS, _rope_qk_kernel
 
-HOPPER = GPUTarget("cuda", 90, 32)
+ARCHES = (90, 120)
 FLOAT_ARGUMENTS = {"qk_scale", "eps"}
 
 
-def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, options: dict | None = None) -> None:
-    """Compile `kernel` with pointer arguments of the given Triton dtypes ("*bf16", ...); every other argument
-    not in `constexprs` is an i32, or an fp32 where FLOAT_ARGUMENTS names it. options: launch options as the
-    backend passes them (enable_fp_fusion, ...). Raises what the compiler raises."""
+def compile_for(arch: int, kernel, pointers: dict[str, str], constexprs: dict, options: dict | None = None):
+    """Compile `kernel` for CUDA compute capability `arch` (90, 120) with pointer arguments of the given Triton
+    dtypes ("*bf16", ...); every other argument not in `constexprs` is an i32, or an fp32 where FLOAT_ARGUMENTS
+    names it. options: launch options as the backend passes them (enable_fp_fusion, ...). Returns Triton's
+    compiled kernel; raises what the compiler raises."""
     names = list(inspect.signature(kernel.fn).parameters)
     unknown = set(pointers) - set(names) | set(constexprs) - set(names)
     if unknown:
         raise ValueError(f"{kernel.fn.__name__} has no arguments {sorted(unknown)}")
     signature = {name: pointers.get(name) or ("constexpr" if name in constexprs else
                                              "fp32" if name in FLOAT_ARGUMENTS else "i32") for name in names}
-    source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    triton.compile(source, target=HOPPER, options={"num_warps": 4, **(options or {})})
+    aligned = [name for name in names if signature[name].startswith("*") or name.startswith("stride")]
+    source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, **(options or {})})
 
 
 def variants():
@@ -64,10 +71,13 @@ def variants():
                        dict(common, BLOCK_M=16, BLOCK_N=block_n, HAS_NORM=has_norm, INV_MAX=1 / 448,
                             SCALE_FLOOR=1e-38), {**UNFUSED_FLOAT_OPS, "num_warps": ONE_TILE_WARPS})
             # The 128-row tile's float32 compile takes 40-50 s (ieee products) and types as the 16-row one does.
-            for block_m, block_n in ((16, 64), (128, 64)) if act == "bf16" else ((16, 64),):
-                yield ("segment_attention_kernel", f"{act} activations, {cache} cache, {block_m} x {block_n} tiles",
+            # With the backend's launch settings for 16-row (narrow) and wider tiles (num_warps, num_stages).
+            for block_m, (warps, stages) in ((16, NARROW_LAUNCH), (128, WIDE_LAUNCH)) if act == "bf16" else \
+                    ((16, NARROW_LAUNCH),):
+                yield ("segment_attention_kernel", f"{act} activations, {cache} cache, {block_m} x {BLOCK_N} tiles",
                        segment_attention_kernel, {**tables, **caches, "Q": f"*{act}"},
-                       dict(common, BLOCK_M=block_m, BLOCK_N=block_n, WAIT_AT_END=block_m > 16), None)
+                       dict(common, BLOCK_M=block_m, BLOCK_N=BLOCK_N, WAIT_AT_END=block_m > 16),
+                       {"num_warps": warps, "num_stages": stages})
             yield ("_append_kv_kernel", f"{act} k/v into a {cache} cache", _append_kv_kernel,
                    {"k_ptr": f"*{act}", "v_ptr": f"*{act}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                     "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_ptr": "*i64"},
@@ -87,13 +97,16 @@ def variants():
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, choices=ARCHES, default=90, help="CUDA compute capability x 10")
+    arch = parser.parse_args().arch
     for name, variant, kernel, pointers, constexprs, options in variants():
         try:
-            compile_for_hopper(kernel, pointers, constexprs, options)
-            error = None
+            shared, error = compile_for(arch, kernel, pointers, constexprs, options).metadata.shared, None
         except Exception as failure:  # report every variant, not only the first that fails
-            error = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:400]}"
-        print(json.dumps({"kernel": name, "variant": variant, "error": error}), flush=True)
+            shared, error = None, f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:400]}"
+        print(json.dumps({"kernel": name, "variant": variant, "arch": arch, "shared_bytes": shared, "error": error}),
+              flush=True)
 
 
 if __name__ == "__main__":
