@@ -39,6 +39,10 @@ PENDING_TOKEN = -1
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 CPU_KV_BUDGET_BYTES = 1 << 30
 CUDA_KV_FRACTION = 0.85  # of the memory free after the weights; the rest is for activations
+# A GPU that shares the host's memory (DGX Spark's GB10, Jetson): the KV pool would take it from the host too
+# (the notebook, the OS), so by default it takes half of what is free. NVIDIA's advice for these parts is
+# to size buffers against host memory (cudaDeviceProp::integrated).
+CUDA_INTEGRATED_KV_FRACTION = 0.5
 
 BranchRef = Branch | str
 TokensLike = str | Sequence[int]
@@ -224,7 +228,8 @@ class Engine:
                                              head_dim=self.config.head_dim, block_size=block_size, dtype=self.kv_dtype)
         if self.device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free_bytes * CUDA_KV_FRACTION)
+            integrated = getattr(torch.cuda.get_device_properties(self.device), "is_integrated", False)
+            budget = int(free_bytes * (CUDA_INTEGRATED_KV_FRACTION if integrated else CUDA_KV_FRACTION))
         else:  # room for eight full contexts, within a budget a laptop can spare
             budget = min(CPU_KV_BUDGET_BYTES, 8 * self.config.max_position_embeddings * bytes_per_block // block_size)
         return max(1, budget // bytes_per_block)

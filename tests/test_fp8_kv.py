@@ -88,6 +88,21 @@ def test_every_fp8_spelling_sizes_the_default_pool_with_the_scale_bytes(kv_dtype
     assert eng.pool.num_blocks * eng.pool.bytes_per_block > (1 << 16) - eng.pool.bytes_per_block
 
 
+@pytest.mark.parametrize("integrated, fraction", [(False, engine_module.CUDA_KV_FRACTION),
+                                                  (True, engine_module.CUDA_INTEGRATED_KV_FRACTION)])
+def test_a_gpu_sharing_the_hosts_memory_gets_a_smaller_default_pool(integrated, fraction, monkeypatch):
+    """On a DGX Spark the GPU's free memory is the host's too: the default pool leaves half of it."""
+    free_bytes = 10 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_bytes, 2 * free_bytes))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(is_integrated=integrated))
+    config = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16)
+    fake = SimpleNamespace(device=torch.device("cuda"), config=config, kv_dtype=torch.bfloat16)
+    blocks = Engine._default_num_blocks(fake, 16)
+    per_block = KVPool.block_bytes(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.bfloat16)
+    assert blocks == int(free_bytes * fraction) // per_block
+    assert engine_module.CUDA_INTEGRATED_KV_FRACTION < engine_module.CUDA_KV_FRACTION
+
+
 @pytest.mark.parametrize("options, message", [
     ({"kv_dtype": "fp4"}, r"kv_dtype 'fp4' is not supported; choose one of \['bfloat16', 'float16', 'float32', "
                           r"'float8_e4m3fn', 'fp8'\]"),
