@@ -1,4 +1,5 @@
-"""Compile the attention, RoPE and KV-append kernels for a GPU this machine does not have: Hopper (sm_90: H100,
+"""Compile the engine's Triton kernels (attention, RoPE, KV append, and the decoder's: GEMV, skinny products,
+RMSNorm, SwiGLU, the sampler) for a GPU this machine does not have: Hopper (sm_90: H100,
 H200) or consumer Blackwell (sm_120: DGX Spark's GB10 is sm_121, the same instructions; RTX 50xx).
 
 Triton's CPU interpreter, which the CPU tests run the kernels in, does not type-check the code as the compiler
@@ -16,6 +17,7 @@ nothing is taken from an earlier compile:
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 
@@ -27,10 +29,19 @@ from dendrite_nb.attention.triton_backend import BLOCK_N, NARROW_LAUNCH, ONE_TIL
 from dendrite_nb.attention.triton_decode_kernel import decode_tile_attention_kernel
 from dendrite_nb.attention.triton_kernels import merge_partials_kernel, segment_attention_kernel
 from dendrite_nb.kernels.kv_append import _append_kv_kernel
+from dendrite_nb.kernels.norm import _rms_norm_kernel
+from dendrite_nb.kernels.race_sample import BLOCK_V, _race_kernel
 from dendrite_nb.kernels.rope import UNFUSED_FLOAT_OPS, _rope_qk_kernel
+from dendrite_nb.kernels.swiglu import _silu_mul_kernel
 
+# The modules, not the functions of the same names that dendrite_nb.kernels exports.
+gemv_module = importlib.import_module("dendrite_nb.kernels.gemv")
+skinny_module = importlib.import_module("dendrite_nb.kernels.skinny")
 ARCHES = (90, 120)
-FLOAT_ARGUMENTS = {"qk_scale", "eps"}
+FLOAT_ARGUMENTS = {"qk_scale", "eps", "inv_temperature"}
+# Qwen3-0.6B's products (out features, width): q/k/v, o, gate/up (SwiGLU), down, and the LM head.
+PRODUCTS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (3072, 1024), "down": (1024, 3072),
+            "lm_head": (151936, 1024)}
 
 
 def compile_for(arch: int, kernel, pointers: dict[str, str], constexprs: dict, options: dict | None = None):
@@ -94,6 +105,39 @@ def variants():
                                                     "v_cache_ptr")}, "slot_ptr": "*i64"},
                    dict(HALF=64, HAS_NORM=has_norm, APPEND=append, BLOCK_H=16, BLOCK_D=64, PDL=True),
                    UNFUSED_FLOAT_OPS)
+
+    yield from decoder_variants()
+
+
+def decoder_variants():
+    """The decoder's kernels, bf16 and float32, at Qwen3-0.6B's shapes with the settings their wrappers pick."""
+    for act in ("bf16", "fp32"):
+        product = {name: f"*{act}" for name in ("x_ptr", "res_ptr", "nw_ptr", "sum_ptr", "w_ptr", "b_ptr", "y_ptr")}
+        for name, (out_features, width) in PRODUCTS.items():
+            swiglu, norm = name == "gate_up", name in ("qkv", "gate_up")
+            folds = dict(HAS_BIAS=False, NORM=norm, RESIDUAL=norm, SWIGLU=swiglu, PDL=True)
+            block_n, block_k, warps, stages = gemv_module.default_config(out_features, width, swiglu)
+            yield ("_gemv_kernel", f"{act}, {name}", gemv_module._gemv_kernel, product,
+                   dict(folds, BLOCK_N=block_n, BLOCK_K=block_k), {"num_warps": warps, "num_stages": stages})
+            for rows, splits in ((5, 1), (5, 4), (64, 1)):
+                block_n, block_k, warps, stages = skinny_module.default_config(out_features, width, norm, swiglu, rows)
+                yield ("_skinny_kernel", f"{act}, {name}, {rows} rows, {splits} splits", skinny_module._skinny_kernel,
+                       {**product, "part_ptr": "*fp32", "count_ptr": "*i32"},
+                       dict(folds, BLOCK_M=skinny_module.row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                            SPLITS=splits, PRECISION="ieee" if act == "fp32" else "tf32",
+                            PREFETCH=skinny_module.default_prefetch(out_features, width, rows),
+                            LINES=max(1, block_k * (2 if act == "bf16" else 4) // 128),
+                            LINE_ELEMENTS=128 // (2 if act == "bf16" else 4)),
+                       {"num_warps": warps, "num_stages": stages})
+        yield ("_rms_norm_kernel", f"{act}, residual", _rms_norm_kernel,
+               {name: f"*{act}" for name in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "sum_ptr")},
+               dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True), {"num_warps": 4})
+        yield ("_silu_mul_kernel", act, _silu_mul_kernel, {"gate_up_ptr": f"*{act}", "out_ptr": f"*{act}"},
+               dict(BLOCK=1024, PDL=True), {"num_warps": 4})
+    yield ("_race_kernel", "float32 logits", _race_kernel,
+           {"logits_ptr": "*fp32", "keys_ptr": "*i64", "chunk_score_ptr": "*fp32", "chunk_token_ptr": "*i32",
+            "done_ptr": "*i32", "out_ptr": "*i64"},
+           dict(BLOCK_V=BLOCK_V, CHUNKS_POW2=64, PDL=True), {"num_warps": 8})
 
 
 def main() -> None:
