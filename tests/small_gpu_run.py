@@ -15,6 +15,7 @@ import json
 import torch
 
 from dendrite_nb import Engine, SamplingParams
+from dendrite_nb.kernels.skinny import stepped_down_configs
 from dendrite_nb.testing.shapes import REAL_SHAPES
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -55,7 +56,8 @@ def scenario(dtype: str, leaves: int, prompt_tokens: int, steps: int = 6) -> dic
             "relative": ((got - want).norm() / want.norm()).item(), "max_abs": (got - want).abs().max().item(),
             "argmax_equal": bool(torch.equal(got.argmax(-1), want.argmax(-1))),
             "unfit_one_tile_widths": sorted(backend.unfit_one_tile_widths(fast.device)),
-            "stepped_down": backend.stepped_down_launches()}
+            "stepped_down": backend.stepped_down_launches(),
+            "skinny_stepped_down": stepped_down_configs()}  # this process's so far
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ def test_a_99_kb_gpu_runs_every_launch_kind_as_the_reference_does(tmp_path):
     assert bf16_leaf["unfit_one_tile_widths"] == [256]  # 135 KB; the 128-wide tile (70 KB) fits
     assert float32_leaf["unfit_one_tile_widths"]  # 139 KB at 128 wide, 270 KB at 256
     assert float32_tree["stepped_down"], "the shared prefix's wide float32 launch (164 KB) must have stepped down"
+    assert float32_tree["skinny_stepped_down"], "40 rows' float32 products (skinny, in graphs) must have stepped down"
     assert bf16_leaf["relative"] < 2e-2
     for result in (float32_leaf, float32_tree):
         assert result["max_abs"] < 1e-3 and result["argmax_equal"]

@@ -252,6 +252,12 @@ def smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, in
 _FITTED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
+def stepped_down_configs() -> list[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]]:
+    """(setting asked for, setting that fitted) of each product that needed more shared memory than its GPU
+    has, so far in this process."""
+    return sorted({(key[0], fitted) for key, fitted in _FITTED.items() if key[0] != fitted})
+
+
 def default_splits(config: tuple[int, int, int, int], tiles: int, chunks: int, swiglu: bool,
                    device: torch.device, block_m: int = MIN_BLOCK_M) -> int:
     """Split-K's ways for a product of `tiles` programs along N and `chunks` BLOCK_K chunks of K at `config`:
