@@ -122,7 +122,7 @@ def test_when_nothing_fits_the_step_fails_with_what_to_do_and_the_tree_is_unchan
     monkeypatch.setattr(triton_backend, "decode_tile_attention_kernel", fused)
     _, fast = engines(checkpoint, cuda_graphs=False)
     free, tree = fast.num_free_blocks, fast.tree()
-    with pytest.raises(RuntimeError, match="attention='flashinfer' or 'torch'"):
+    with pytest.raises(RuntimeError, match="Use attention='torch-tree'"):
         fast.new_branch("trunk", PROMPT)
     assert general.refused[-1]["num_stages"] == 1 and general.refused[-1]["BLOCK_N"] == MIN_BLOCK_N
     assert fast.num_free_blocks == free and fast.tree() == tree and "trunk" not in fast.branches

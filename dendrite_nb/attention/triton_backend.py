@@ -378,8 +378,8 @@ class TritonAttention:
                         raise RuntimeError(
                             f"the Triton attention's smallest launch for {launch.block_m}-row tiles of "
                             f"{str(q.dtype).removeprefix('torch.')} needs more {error.name} than this GPU has "
-                            f"({error.required} bytes; the limit is {error.limit}). Use attention='flashinfer' "
-                            f"or 'torch'.") from error
+                            f"({error.required} bytes; the limit is {error.limit}). Use attention='torch-tree' (or "
+                            f"'flashinfer' for a bf16 or fp16 model).") from error
             self._fitted_launches[key] = settings
         return compiled
 
