@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from probe_persistent_chain import (EPS, TINY, Chain, print_chain_times, probe_device, real_shape_chain,
-                                    relative_error)
+from probe_persistent_chain import (EPS, Chain, check_tiny_chain, print_chain_times, probe_device,
+                                    real_shape_chain)
 from dendrite_nb.kernels.gemv import gemv
 from dendrite_nb.kernels.pdl import pdl_arguments, wait_for_inputs
 from dendrite_nb.kernels.swiglu import silu_times_up
@@ -112,14 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = probe_device("tiny shapes")
     if device.type == "cpu":
-        chain = Chain(TINY, 2, device, torch.float32, torch.Generator().manual_seed(0))
-        reference = chain.reference()
-        error = relative_error(FusedMlpChain(chain).launches(16, 4)(), reference)
-        control_error = relative_error(chain.launches(activations=torch.float32)(), reference)
-        print(f"interpreter, tiny shapes: fused-MLP chain relative error {error:.2e} against torch float32 "
-              f"(the control's {control_error:.2e})")
-        if max(error, control_error) > 1e-4:
-            raise SystemExit("the fused-MLP chain does not match torch")
+        check_tiny_chain(device, "fused-MLP chain", lambda chain: FusedMlpChain(chain).launches(16, 4),
+                         "the control", lambda chain: chain.launches(activations=torch.float32))
         return
     chain, bandwidth, floor_ms, reference = real_shape_chain(args.layers, device)
     fused = FusedMlpChain(chain)

@@ -258,14 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = probe_device("one program, tiny shapes")
     if device.type == "cpu":   # the interpreter runs programs one after another: one program, or it would spin
-        chain = Chain(TINY, 2, device, torch.float32, torch.Generator().manual_seed(0))
-        reference = chain.reference()
-        error = relative_error(chain.persistent(1)(), reference)
-        launches_error = relative_error(chain.launches()(), reference)
-        print(f"interpreter, tiny shapes, 1 program: relative error {error:.2e} against torch float32 "
-              f"(gemv launches: {launches_error:.2e})")
-        if max(error, launches_error) > 1e-4:
-            raise SystemExit("a chain does not match torch")
+        check_tiny_chain(device, "persistent chain, 1 program", lambda chain: chain.persistent(1),
+                         "gemv launches", lambda chain: chain.launches())
         return
     chain, bandwidth, floor_ms, reference = real_shape_chain(args.layers, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -278,6 +272,19 @@ def main(argv: list[str] | None = None) -> None:
         variants[f"  {p}/SM, polling with acquire loads"] = chain.persistent(p * sms, warps, wait=2)
         variants[f"  {p}/SM, no waits (wrong; a bound)"] = chain.persistent(p * sms, warps, wait=0)
     print_chain_times(variants, reference, device, floor_ms)
+
+
+def check_tiny_chain(device: torch.device, label: str, variant: Callable[[Chain], Callable[[], torch.Tensor]],
+                     control_label: str, control: Callable[[Chain], Callable[[], torch.Tensor]]) -> None:
+    """The interpreter's correctness check of a chain probe: `variant` and `control` (each built from a tiny
+    float32 chain of 2 layers) against torch float32; prints both errors and exits past 1e-4."""
+    chain = Chain(TINY, 2, device, torch.float32, torch.Generator().manual_seed(0))
+    reference = chain.reference()
+    error, control_error = (relative_error(build(chain)(), reference) for build in (variant, control))
+    print(f"interpreter, tiny shapes: {label} relative error {error:.2e} against torch float32 "
+          f"({control_label}: {control_error:.2e})")
+    if max(error, control_error) > 1e-4:
+        raise SystemExit(f"the {label} or the {control_label} does not match torch")
 
 
 def probe_device(interpreter_shapes: str) -> torch.device:

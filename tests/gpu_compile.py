@@ -126,8 +126,7 @@ def decoder_variants():
                        dict(folds, BLOCK_M=skinny_module.row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
                             SPLITS=splits, PRECISION="ieee" if act == "fp32" else "tf32",
                             PREFETCH=skinny_module.default_prefetch(out_features, width, rows),
-                            LINES=max(1, block_k * (2 if act == "bf16" else 4) // 128),
-                            LINE_ELEMENTS=128 // (2 if act == "bf16" else 4)),
+                            **skinny_module.prefetch_lines(block_k, 2 if act == "bf16" else 4)),
                        {"num_warps": warps, "num_stages": stages})
         yield ("_rms_norm_kernel", f"{act}, residual", _rms_norm_kernel,
                {name: f"*{act}" for name in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "sum_ptr")},

@@ -216,7 +216,7 @@ class TritonAttention:
         if (self.one_tile_programs_per_sm <= 0 or not layout.is_decode
                 or any(len(run[0]) != 1 for run in runs)):
             return 0
-        unfit = self.unfit_one_tile_widths(device)
+        unfit = self._unfit_one_tile.get(_device_key(device), ())
         widths = [width for width in self.one_tile_candidates() if width not in unfit]
         if not widths:
             return 0

@@ -230,6 +230,12 @@ def default_prefetch(out_features: int, width: int, rows: int = FOLD_ROWS) -> in
     return PREFETCH_SMALL if rows > FOLD_ROWS or out_features * width <= SMALL_PRODUCT else PREFETCH_LARGE
 
 
+def prefetch_lines(block_k: int, element_bytes: int) -> dict[str, int]:
+    """The kernel's LINES and LINE_ELEMENTS: 128-byte lines in a row of a BLOCK_K chunk of W, and W's elements
+    in one line (what _prefetch_first_chunks asks for, one prefetch per line)."""
+    return {"LINES": max(1, block_k * element_bytes // 128), "LINE_ELEMENTS": max(1, 128 // element_bytes)}
+
+
 def row_tile(rows: int) -> int:
     """BLOCK_M: x's rows padded to tl.dot's smallest tile, or to the next power of two above them."""
     return max(MIN_BLOCK_M, triton.next_power_of_2(rows))
@@ -373,6 +379,6 @@ def _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, 
         HAS_BIAS=bias is not None, NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH=min(prefetch, chunks_per_split),
-        LINES=max(1, block_k * weight.element_size() // 128), LINE_ELEMENTS=max(1, 128 // weight.element_size()),
+        **prefetch_lines(block_k, weight.element_size()),
         num_warps=warps, num_stages=stages,
         **pdl_arguments(x))
