@@ -41,9 +41,11 @@ BLOCK_SIZE = 16
 CALLS = 3  # timed generate(leaves, steps) calls per variant
 # (attention, cuda_graphs): None leaves the engine's default, which is off for the torch reference.
 VARIANTS = [("triton", True), ("triton", False), ("flashinfer", True), ("flashinfer", False), ("torch", None)]
-# Beside them, the triton engine with graphs whose decode steps keep the three attention launches per layer
-# (RoPE + append, attention, merge) where it would fuse them into one (attention/triton_decode_kernel.py).
-GENERAL_ATTENTION_LABEL = "triton-3launch"
+# Beside them, the triton engine with graphs held to an earlier kernel choice, as a baseline in the same run: its
+# backend's settings. triton-3launch: decode steps keep the three attention launches per layer (RoPE + append,
+# attention, merge) where the engine fuses them into one (attention/triton_decode_kernel.py); triton-no-tma:
+# every KV tile loads through the block table, also where a run's blocks are consecutive and load through TMA.
+BASELINE_ROWS = {"triton-3launch": {"one_tile_programs_per_sm": 0}, "triton-no-tma": {"tma": False}}
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 # Errors of a variant that builds but fails while running: reported on its row, the other rows still run.
 RUN_ERRORS = (RuntimeError, ValueError, NotImplementedError, AssertionError)
@@ -76,16 +78,16 @@ def num_blocks(case: Case, extra_tokens: int) -> int:
 
 
 def engine_step_seconds(model, setup: Setup, attention: str, graphs: bool | None, case: Case, prefix_ids,
-                        own_ids, steps: int, warmup: int, fused_decode: bool = True, kv_dtype: str | None = None,
-                        ) -> tuple[tuple[list[float], list[float]] | None, str | None]:
+                        own_ids, steps: int, warmup: int, backend_settings: dict | None = None,
+                        kv_dtype: str | None = None) -> tuple[tuple[list[float], list[float]] | None, str | None]:
     """((seconds per step inside generate(leaves, steps), per call), seconds per generate(leaves, 1) call).
-    fused_decode=False: the triton backend never takes the one-launch decode kernel."""
+    backend_settings: attributes set on the engine's attention backend before its first plan (BASELINE_ROWS)."""
     engine, reason = engine_variant(model, setup, attention, graphs, block_size=BLOCK_SIZE, kv_dtype=kv_dtype,
                                     num_blocks=num_blocks(case, warmup * steps + CALLS * steps + steps + 1))
     if engine is None:
         return None, reason
-    if not fused_decode:
-        engine.backend.one_tile_programs_per_sm = 0
+    for name, value in (backend_settings or {}).items():
+        setattr(engine.backend, name, value)
     try:
         root = engine.new_branch("prefix", prefix_ids)
         leaves = [root]
@@ -179,14 +181,14 @@ def main(argv: list[str] | None = None) -> dict:
             if hf_times is not None:
                 hf_ms = statistics.median(hf_times) * 1e3
         rows = []
-        for attention, graphs in [*VARIANTS, (GENERAL_ATTENTION_LABEL, True)]:
+        for attention, graphs in [*VARIANTS, *((label, True) for label in BASELINE_ROWS)]:
             if args.graphs_only and not graphs:
                 continue
             label = {"case": case_label, "attention": attention,
                      "graphs": {True: "on", False: "off", None: "off"}[graphs], "target": target}
-            general = attention == GENERAL_ATTENTION_LABEL
-            measured, reason = engine_step_seconds(model, setup, "triton" if general else attention, graphs, case,
-                                                   prefix_ids, own_ids, steps, warmup, fused_decode=not general,
+            baseline = BASELINE_ROWS.get(attention)
+            measured, reason = engine_step_seconds(model, setup, "triton" if baseline else attention, graphs, case,
+                                                   prefix_ids, own_ids, steps, warmup, backend_settings=baseline,
                                                    kv_dtype=args.kv_dtype)
             free_memory(setup.device)   # this variant's pool (and graphs), before the next one's
             if measured is None:

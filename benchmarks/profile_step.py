@@ -158,7 +158,7 @@ def attention_parts(engine, leaves, device: torch.device) -> None:
     log(f"  {'variant':>16} {'partials us':>11} {'merge us':>8} {'attend us':>9} {'slots':>6} {'items':>14}")
     for label, options in ATTENTION_VARIANTS:
         backend = TritonAttention(**options)
-        backend.configure(config.num_heads, config.num_kv_heads)
+        backend.configure(config.num_heads, config.num_kv_heads, kv.k.dtype)
         plan = backend.plan(layout, engine.pool.block_size, device)
         backend.write_partials(plan, q, kv)
         partials = kernel_seconds(functools.partial(backend.write_partials, plan, q, kv), device)

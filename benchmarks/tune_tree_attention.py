@@ -31,6 +31,8 @@ SMOKE_SWEPT = [Scenario("a", 64, ((3, 17),), None)]
 
 VARIANTS = [
     ("default", {}),
+    # Block-table loads everywhere (the default before TMA): consecutive runs keep the 128-wide tiles.
+    ("no tma", {"tma": False}),
     # Partial outputs in bf16: half the bytes written by every chunk of a shared prefix and read back by the merge.
     ("bf16 partials", {"low_precision_partials": True}),
     ("bf16 partials, programs/SM 3", {"low_precision_partials": True, "programs_per_sm": 3}),
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         layouts.append((decode_layout(engine.branch_tree, leaves), q))
     for label, options in variants:
         backend = TritonAttention(**options)
-        backend.configure(config.num_heads, config.num_kv_heads)
+        backend.configure(config.num_heads, config.num_kv_heads, kv.k.dtype)
         times, dissections = [], []
         for scenario, (layout, q) in zip(swept, layouts):
             plan = backend.plan(layout, BLOCK_SIZE, setup.device)

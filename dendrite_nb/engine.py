@@ -134,7 +134,7 @@ class Engine:
         self.kv_dtype = parse_dtype(kv_dtype, KV_DTYPES, "kv_dtype") if kv_dtype is not None else self.dtype
         self.backend = make_backend(attention, self.device, self.dtype, self.config.head_dim, self.kv_dtype)
         if hasattr(self.backend, "configure"):  # backends whose plans depend on the head layout
-            self.backend.configure(self.config.num_heads, self.config.num_kv_heads)
+            self.backend.configure(self.config.num_heads, self.config.num_kv_heads, self.kv_dtype)
         if prefill_chunk_tokens is not None and prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens or self._default_prefill_chunk_tokens()

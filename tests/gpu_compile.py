@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dendrite_nb.attention.triton_backend import BLOCK_N, NARROW_LAUNCH, ONE_TILE_WARPS, WIDE_LAUNCH
+from dendrite_nb.attention.triton_backend import BLOCK_N, NARROW_LAUNCH, ONE_TILE_WARPS, TMA_TILE_WIDTH, WIDE_LAUNCH
 from dendrite_nb.attention.triton_decode_kernel import decode_tile_attention_kernel
 from dendrite_nb.attention.triton_kernels import merge_partials_kernel, segment_attention_kernel
 from dendrite_nb.kernels.kv_append import _append_kv_kernel
@@ -87,8 +87,15 @@ def variants():
                     ((16, NARROW_LAUNCH),):
                 yield ("segment_attention_kernel", f"{act} activations, {cache} cache, {block_m} x {BLOCK_N} tiles",
                        segment_attention_kernel, {**tables, **caches, "Q": f"*{act}"},
-                       dict(common, BLOCK_M=block_m, BLOCK_N=BLOCK_N, WAIT_AT_END=block_m > 16),
-                       {"num_warps": warps, "num_stages": stages})
+                       dict(common, BLOCK_M=block_m, BLOCK_N=BLOCK_N, WAIT_AT_END=block_m > 16, K_DESC=None,
+                            V_DESC=None, TMA=False), {"num_warps": warps, "num_stages": stages})
+            if not fp8 and act == "bf16":  # consecutive blocks through TMA descriptors (the backend's tma)
+                descriptor = f"tensordesc<{cache}[{BLOCK_N},128]>"
+                yield ("segment_attention_kernel", f"{act} activations, {cache} cache, TMA, {TMA_TILE_WIDTH} x "
+                       f"{BLOCK_N} tiles", segment_attention_kernel,
+                       {**tables, **caches, "Q": f"*{act}", "K_DESC": descriptor, "V_DESC": descriptor},
+                       dict(common, BLOCK_M=TMA_TILE_WIDTH, BLOCK_N=BLOCK_N, WAIT_AT_END=False, TMA=True),
+                       {"num_warps": WIDE_LAUNCH[0], "num_stages": WIDE_LAUNCH[1]})
             yield ("_append_kv_kernel", f"{act} k/v into a {cache} cache", _append_kv_kernel,
                    {"k_ptr": f"*{act}", "v_ptr": f"*{act}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                     "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_ptr": "*i64"},

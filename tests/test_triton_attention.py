@@ -16,7 +16,7 @@ from dendrite_nb.testing import TINY_SHAPES
 from random_trees import random_tree
 
 pytest.importorskip("triton")
-from dendrite_nb.attention.triton_backend import TritonAttention  # noqa: E402  (needs triton)
+from dendrite_nb.attention.triton_backend import INTERPRET_BLOCK_N, TritonAttention  # noqa: E402  (needs triton)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # the interpreter runs only where CUDA is absent
 
@@ -93,6 +93,45 @@ def test_tree_decode_attention_matches_reference(device, shape, min_shared, tile
     for layout in (tree_layout, decode_layout(eng.branch_tree, leaves, shared=False)):
         got = triton_backend.attend(triton_backend.plan(layout, 4, eng.device), q, kv)
         assert (got - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied"])
+def test_tma_tiles_of_consecutive_blocks_equal_the_block_table_path(device, shape):
+    """With tma=True (the interpreter runs Triton's tensor descriptors; GPUs from Hopper pick it themselves),
+    shared runs of consecutive blocks are planned in 64-wide tiles with linear slots and their unmasked steps
+    load through the descriptors; the attention equals the torch reference and the block-table path."""
+    rng = random.Random(11)
+    cfg = TINY_SHAPES[shape].hf_config(vocab_size=256)
+    eng = Engine.from_random(cfg, device=device, num_blocks=1024, block_size=4)
+    trunk = eng.new_branch("trunk", [rng.randrange(256) for _ in range(70)])  # consecutive blocks, 4 KV steps
+    kids = eng.fork(trunk, 12)
+    for kid in kids:  # their own tails interleave in the pool: not consecutive across blocks
+        eng.append(kid, [rng.randrange(256) for _ in range(rng.randrange(1, 9))])
+    leaves = kids + random_tree(eng, rng, leaves=6, depth=2)
+    kv = eng.pool.layers()[0]
+    heads, head_dim = eng.config.num_heads, eng.config.head_dim
+    q = torch.randn(len(leaves), heads, head_dim, device=device)
+    layout = decode_layout(eng.branch_tree, leaves, min_shared_tokens=1)
+    reference = TorchAttention()
+    expected = reference.attend(reference.plan(layout, 4, eng.device), q, kv)
+    tma = TritonAttention(tma=True)
+    tma.configure(heads, eng.config.num_kv_heads, kv.k.dtype)
+    assert tma.uses_tma(eng.device, kv.k.dtype)
+    host = tma.host_plan(layout, 4, eng.device)
+    assert_linear_slots_are_the_block_tables(host, block_size=4)
+    wide = host.items[64]
+    steps = (wide[:, 6] >= 0) & (wide[:, 3] - wide[:, 2] >= INTERPRET_BLOCK_N)  # items with an unmasked TMA step
+    assert steps.any() and not host.items[128].size  # the 12 kids' 24 query vectors fit one 64-wide tile
+    got = tma.attend(tma.plan(layout, 4, eng.device), q, kv)
+    assert (got - expected).abs().max() < 1e-5
+    plain = TritonAttention(tma=False)
+    plain.configure(heads, eng.config.num_kv_heads, kv.k.dtype)
+    assert (plain.host_plan(layout, 4, eng.device).items[64][:, 6] == -1).all()
+    assert "tma=False" in plain.tma_reason(eng.device, kv.k.dtype)
+    assert (plain.attend(plain.plan(layout, 4, eng.device), q, kv) - got).abs().max() < 1e-5
+    fp8 = TritonAttention(tma=True).tma_reason(eng.device, torch.float8_e4m3fn)
+    assert fp8 is not None and "fp8" in fp8
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -245,7 +284,28 @@ def test_array_plan_equals_the_run_by_run_plan(seed):
             for field in ("entry_rows", "entry_pos", "block_ids", "indptr", "slots", "slot_mapping"):
                 assert getattr(by_loop, field).tolist() == getattr(by_arrays, field).tolist(), field
             assert by_loop.num_slots == by_arrays.num_slots and by_loop.shape() == by_arrays.shape()
+            if 64 in widths:  # runs of consecutive blocks marked for TMA, in tiles of at most 64
+                loop = plan_by_loop(runs, positions, positions, 4, group, widths, lambda work: chunk, 64)
+                arrays = plan_by_arrays(KVRuns.of(runs), np.array(positions), positions, 4, group, widths,
+                                        lambda work: chunk, 64)
+                for width in widths:
+                    assert loop.items[width].tolist() == arrays.items[width].tolist()
+                assert_linear_slots_are_the_block_tables(loop, block_size=4)
+                assert (loop.items[128][:, 6] == -1).all()  # consecutive runs take 64-wide tiles at most
     assert KVRuns.of([]).rows.size == 0
+
+
+def assert_linear_slots_are_the_block_tables(host, block_size: int) -> None:
+    """Every item's linear slot is -1 exactly when its positions' blocks are not consecutive, and otherwise the
+    cache slot of each position p is linear slot + p - kv_start."""
+    for items in host.items.values():
+        for _, _, start, end, block_off, _, linear in items.tolist():
+            slots = [int(host.block_ids[block_off + p // block_size]) * block_size + p % block_size
+                     for p in range(start, end)]
+            if linear >= 0:
+                assert slots == list(range(linear, linear + end - start))
+            else:  # not marked: some block of the item's run (maybe in another chunk) breaks the sequence
+                assert linear == -1
 
 
 @pytest.mark.gpu
@@ -500,7 +560,7 @@ def test_fused_decode_launch_is_planned_for_one_row_runs_that_fit_the_gpu():
         backend.multiprocessors = multiprocessors
         host = backend.host_plan(flat, 4, eng.device)
         assert host.one_tile == width and host.shape().one_tile == width
-        assert all(end - start <= width for _, _, start, end, _, _ in host.items[16].tolist())
+        assert all(end - start <= width for _, _, start, end, *_ in host.items[16].tolist())
     # A graph captured for one tile width is not reused for another.
     backend.multiprocessors = int(narrow_programs / fill) + 1
     assert not backend.host_plan(flat, 4, eng.device).shape().fits(host.shape())

@@ -16,6 +16,11 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton before 3.4: no TMA (tma_reason says so)
+    TensorDescriptor = None
+
 from ..kernels.kv_append import append_kv as append_kv_kernel
 from ..kernels.pdl import pdl_arguments
 from ..kernels.rope import UNFUSED_FLOAT_OPS, rope_qk
@@ -71,6 +76,16 @@ INTERPRET_ONE_TILE_WIDTHS = (16, 32)  # the interpreter's (INTERPRET_BLOCK_N and
 # a fused width that does not fit gives way to the general kernels, once per backend (tests/gpu_compile.py
 # prints each variant's bytes; benchmarks/REPORT.md has the table).
 MIN_BLOCK_N = 16  # tl.dot's smallest tile side
+# TMA (Hopper and later): a run whose blocks are consecutive in the pool (a prefix prefilled into a fresh pool)
+# loads its unmasked KV tiles through tensor descriptors, in tiles of at most TMA_TILE_WIDTH query vectors.
+# benchmarks/probe_prefix_tma.py (H100): decode_step's (a) prefix (256 vectors x 4,096 positions a KV head) took
+# 15.7 us in 64-wide TMA tiles cut 8 ways, against 20.0 us for the block-table loads in 128-wide tiles cut 16
+# ways as the engine planned it, and half the partials to merge; tree_attention's (i) 69.4 against 86.7 us.
+# Block-table loads in 64-wide tiles were slower than in 128-wide ones, so runs that are not consecutive keep
+# the 128-wide tiles. Automatic for bf16 and fp16 caches on Hopper, where it was measured (tma=True elsewhere:
+# consumer Blackwell's 99 KB of shared memory a block holds fewer stages of the launch's 112 KB, stepping down).
+TMA_TILE_WIDTH = 64
+TMA_MEASURED_MAJOR = 9  # compute capability 9.x: H100, H200, GH200
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 in hardware, which Triton's fp8e4nv needs
 # Partial outputs and their log-sum-exps are float32. low_precision_partials=True stores the outputs in the
 # activations' dtype instead (as FlashInfer's merge_state takes them): a long shared prefix writes one per chunk
@@ -119,7 +134,7 @@ class TritonAttention:
                  one_tile_launch: tuple[int, int] | None = None,
                  one_tile_programs_per_sm: float = ONE_TILE_PROGRAMS_PER_SM,
                  one_tile_widths: tuple[int, ...] = ONE_TILE_WIDTHS,
-                 low_precision_partials: bool = LOW_PRECISION_PARTIALS):
+                 low_precision_partials: bool = LOW_PRECISION_PARTIALS, tma: bool | None = None):
         self.tile_widths, self.min_chunk_tokens = tuple(sorted(tile_widths)), min_chunk_tokens
         self.wide_launch, self.narrow_launch = wide_launch, narrow_launch
         self.wide_block_n, self.short_run_launch = wide_block_n, short_run_launch
@@ -130,7 +145,12 @@ class TritonAttention:
         self.one_tile_launch, self.one_tile_programs_per_sm = one_tile_launch, one_tile_programs_per_sm
         self.one_tile_widths = tuple(sorted(one_tile_widths))
         self.low_precision_partials = low_precision_partials
+        # tma: None picks it where it was measured to pay (tma_reason); True asks for it on any device Triton's
+        # descriptors run on, the CPU interpreter included (the tests); False never.
+        self.tma = tma
         self.group, self.num_kv_heads = 1, 1  # set by configure(); tiles and chunking depend on them
+        self.kv_dtype: torch.dtype | None = None  # set by configure(): whether a plan marks runs for TMA
+        self._descriptors: dict[tuple, tuple] = {}
         # Shared memory this GPU lacked (see MIN_BLOCK_N): the fused widths that did not fit, per device, and the
         # settings each general launch stepped down to, by (device, dtypes, BLOCK_M, settings asked for).
         self._unfit_one_tile: dict[torch.device, set[int]] = {}
@@ -200,7 +220,32 @@ class TritonAttention:
             host = build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, lambda work: tile)
             host.one_tile = tile
             return host
-        return build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, self._chunker(device))
+        linear_width = (TMA_TILE_WIDTH if TMA_TILE_WIDTH in widths[1:] and self.kv_dtype is not None
+                        and self.uses_tma(device, self.kv_dtype) else 0)
+        return build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, self._chunker(device),
+                               linear_width)
+
+    def tma_reason(self, device: torch.device, kv_dtype: torch.dtype) -> str | None:
+        """Why KV tiles of consecutive blocks do not load through TMA here, or None where they do."""
+        if self.tma is False:
+            return "turned off (tma=False)"
+        if TensorDescriptor is None:
+            return "this Triton has no host tensor descriptors (triton.tools.tensor_descriptor)"
+        if kv_dtype == torch.float8_e4m3fn:
+            return "an fp8 cache's tiles need their scales from the block table"
+        if self.tma:
+            return None
+        if device.type != "cuda" or interpreting():
+            return "TMA is a CUDA GPU's (tma=True runs it in the interpreter)"
+        if torch.cuda.get_device_capability(device)[0] != TMA_MEASURED_MAJOR:
+            return ("measured on Hopper (compute capability 9.x) only; tma=True asks for it on other GPUs of "
+                    "compute capability 9.0 or later")
+        if kv_dtype not in (torch.bfloat16, torch.float16):
+            return f"measured for bf16 and fp16 caches only, not {kv_dtype}"
+        return None
+
+    def uses_tma(self, device: torch.device, kv_dtype: torch.dtype) -> bool:
+        return self.tma_reason(_device_key(device), kv_dtype) is None
 
     def one_tile_candidates(self) -> tuple[int, ...]:
         """The fused decode kernel's tile widths (BLOCK_N), narrowest first."""
@@ -348,6 +393,7 @@ class TritonAttention:
         fp8 = kv.k_scale is not None
         ks, vs, stride_sb, stride_st = _scale_arguments(kv, partial)
         compiled = []
+        tma = self.uses_tma(q.device, kv.k.dtype)
         for index, launch in enumerate(plan.launches):
             if launch.short:
                 block_n, warps, stages = self.short_run_launch
@@ -357,19 +403,23 @@ class TritonAttention:
                 block_n, (warps, stages) = BLOCK_N, self.narrow_launch
             block_n = INTERPRET_BLOCK_N if interpreting() else block_n
             asked = (block_n, warps, stages)
-            key = (q.device, q.dtype, kv.k.dtype, launch.block_m, asked)
+            launch_tma = tma and launch.block_m > 16 and not launch.short  # the wide launches, as measured
+            key = (q.device, q.dtype, kv.k.dtype, launch.block_m, asked, launch_tma)
             settings = self._fitted_launches.get(key, asked)
             while True:
                 block_n, warps, stages = settings
+                k_desc, v_desc = self._kv_descriptors(kv, block_n) if launch_tma else (None, None)
                 try:
                     compiled.append(segment_attention_kernel[(launch.items.shape[0], kv_heads)](
                         q, kv.k, kv.v, ks, vs, partial, lse, launch.items, plan.entry_rows, plan.entry_pos,
-                        plan.block_ids, q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
+                        plan.block_ids, k_desc, v_desc,
+                        q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
                         stride_sb, stride_st, partial.stride(0), partial.stride(1),
                         head_dim ** -0.5 * LOG2E,  # scores in the log2 domain
                         NUM_HEADS=num_heads, GROUP=self.group, HEAD_DIM=head_dim, BS=kv.k.shape[1],
                         BLOCK_M=launch.block_m, BLOCK_N=block_n, FP8=fp8, IEEE=q.dtype == torch.float32,
-                        WAIT_AT_END=index > 0, num_warps=warps, num_stages=stages, **pdl_arguments(q),
+                        WAIT_AT_END=index > 0, TMA=launch_tma, num_warps=warps, num_stages=stages,
+                        **pdl_arguments(q),
                     ))
                     break
                 except OutOfResources as error:  # raised before launching: nothing ran
@@ -382,6 +432,17 @@ class TritonAttention:
                             f"'flashinfer' for a bf16 or fp16 model).") from error
             self._fitted_launches[key] = settings
         return compiled
+
+    def _kv_descriptors(self, kv: LayerKV, block_n: int) -> tuple:
+        """TMA descriptors of the layer's K and V caches seen as [slots, kv_heads x head_dim], with [block_n,
+        head_dim] boxes. Made once per cache and width: a step's 32 layers x 2 would cost the host every step."""
+        key = (kv.k.data_ptr(), kv.v.data_ptr(), tuple(kv.k.shape), kv.k.dtype, block_n)
+        if key not in self._descriptors:
+            blocks, block_size, kv_heads, head_dim = kv.k.shape
+            self._descriptors[key] = tuple(
+                TensorDescriptor.from_tensor(cache.view(blocks * block_size, kv_heads * head_dim), [block_n, head_dim])
+                for cache in (kv.k, kv.v))
+        return self._descriptors[key]
 
     def _check_group(self, q: torch.Tensor, kv: LayerKV) -> None:
         group = q.shape[1] // kv.k.shape[2]
@@ -416,9 +477,10 @@ class TritonAttention:
         )
         return out
 
-    def configure(self, num_heads: int, num_kv_heads: int) -> None:
-        """Tell the planner the model's head layout: rows per tile depend on the GQA group size."""
-        self.group, self.num_kv_heads = num_heads // num_kv_heads, num_kv_heads
+    def configure(self, num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype | None = None) -> None:
+        """Tell the planner the model's head layout (rows per tile depend on the GQA group size) and the cache's
+        dtype (whether plans mark consecutive runs for TMA; None: they do not)."""
+        self.group, self.num_kv_heads, self.kv_dtype = num_heads // num_kv_heads, num_kv_heads, kv_dtype
 
 
 def _device_key(device: torch.device) -> torch.device:

@@ -65,7 +65,7 @@ def decode_tile_attention_kernel(
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
-    entry_off, num_rows, kv_start, kv_end, block_off, slot0 = load_item(ITEMS, item)  # num_rows: 0 or 1
+    entry_off, num_rows, kv_start, kv_end, block_off, slot0, _ = load_item(ITEMS, item)  # num_rows: 0 or 1
     row = tl.load(ENTRY_ROWS + entry_off, mask=num_rows > 0, other=0).to(tl.int64)
     q_pos = tl.load(ENTRY_POS + entry_off, mask=num_rows > 0, other=-1)
     hi = tl.minimum(kv_end, q_pos + 1)

@@ -9,7 +9,14 @@ slots. Flat paged decode is the special case of one row per item; prefill is ite
 consecutive tokens of one sequence, with the causal mask from each row's position.
 
 Item table columns (int32, ITEM_COLS per item): entry offset, rows, kv_start, kv_end, block offset (block
-of position p is block_ids[block_offset + p // BS]), first slot (row j of the item writes slot + j).
+of position p is block_ids[block_offset + p // BS]), first slot (row j of the item writes slot + j), and the
+cache slot of kv_start where the item's blocks are consecutive in the pool (position p at that slot +
+p - kv_start), else -1.
+
+Consecutive blocks let a step's K and V tiles come through TMA (TMA=True: tensor descriptors over the cache as
+[slots, kv_heads x head_dim]): one copy per tile issued by one thread, instead of every thread computing the
+address of each 16 bytes it loads through the block table. A prefix prefilled into a fresh pool lies in
+consecutive blocks. Measured in benchmarks/probe_prefix_tma.py and REPORT.md.
 """
 from __future__ import annotations
 
@@ -18,40 +25,49 @@ import triton.language as tl
 
 from ..kernels.pdl import wait_for_inputs
 
-ITEM_COLS = 6
+ITEM_COLS = 7
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def load_item(ITEMS, item):
     """Item `item`'s columns of the item table (module docstring): entry offset, rows (0: a padding item of a
-    fixed grid for CUDA graphs, which does nothing), kv_start, kv_end, block offset, first slot."""
-    base = ITEMS + item * 6
+    fixed grid for CUDA graphs, which does nothing), kv_start, kv_end, block offset, first slot, the slot of
+    kv_start in a run of consecutive blocks (-1: not one)."""
+    base = ITEMS + item * 7
     return (tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4),
-            tl.load(base + 5))
+            tl.load(base + 5), tl.load(base + 6))
 
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, block_off, kv_head, d,
                   stride_kb, stride_kt, stride_kh, stride_sb, stride_st, qk_scale,
                   BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                  MASKED: tl.constexpr):
+                  MASKED: tl.constexpr, K_DESC=None, V_DESC=None, tma_row=0, tma_col=0,
+                  TMA: tl.constexpr = False):
     """One BLOCK_N step of online softmax over positions [start, start + BLOCK_N). MASKED: some position is
     past `hi` or past a row's own position (the run's last step, or a prefill tile's diagonal); unmasked
-    steps load without predicates and skip the -inf guards, which is most of a long shared prefix."""
+    steps load without predicates and skip the -inf guards, which is most of a long shared prefix.
+    TMA (unmasked steps over consecutive blocks of a 16-bit cache): the K and V tiles are the descriptors'
+    BLOCK_N rows from (tma_row, tma_col) of the cache seen as [slots, kv_heads x head_dim]."""
+    tl.static_assert(not (TMA and (MASKED or FP8)), "TMA tiles are for unmasked steps over a 16-bit cache")
     pos = start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        p_valid = pos < hi
-        block = tl.load(BLOCK_IDS + block_off + pos // BS, mask=p_valid, other=0)
+    if TMA:
+        k = K_DESC.load([tma_row, tma_col])
+        v = V_DESC.load([tma_row, tma_col])
     else:
-        block = tl.load(BLOCK_IDS + block_off + pos // BS)
-    slot = block.to(tl.int64) * stride_kb + (pos % BS) * stride_kt + kv_head * stride_kh
-    if MASKED:
-        k = tl.load(K + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
-        v = tl.load(V + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
-    else:
-        k = tl.load(K + slot[:, None] + d[None, :])
-        v = tl.load(V + slot[:, None] + d[None, :])
+        if MASKED:
+            p_valid = pos < hi
+            block = tl.load(BLOCK_IDS + block_off + pos // BS, mask=p_valid, other=0)
+        else:
+            block = tl.load(BLOCK_IDS + block_off + pos // BS)
+        slot = block.to(tl.int64) * stride_kb + (pos % BS) * stride_kt + kv_head * stride_kh
+        if MASKED:
+            k = tl.load(K + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
+            v = tl.load(V + slot[:, None] + d[None, :], mask=p_valid[:, None], other=0.0)
+        else:
+            k = tl.load(K + slot[:, None] + d[None, :])
+            v = tl.load(V + slot[:, None] + d[None, :])
     if FP8:  # e4m3 values are exact in every activation dtype; the scales multiply the scores and p
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -89,8 +105,21 @@ def _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, b
 
 
 @triton.jit
+def _unmasked_steps(acc, m_i, l_i, q, q_pos, lo, full_end, hi, K, V, KS, VS, BLOCK_IDS, block_off, kv_head, d,
+                    stride_kb, stride_kt, stride_kh, stride_sb, stride_st, qk_scale,
+                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr):
+    """The BLOCK_N steps over [lo, full_end) that every row sees whole, through the block table."""
+    for start in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, block_off,
+                                      kv_head, d, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, qk_scale,
+                                      BS, BLOCK_N, FP8, IEEE, MASKED=False)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def segment_attention_kernel(
     Q, K, V, KS, VS, OUT_P, LSE_P, ITEMS, ENTRY_ROWS, ENTRY_POS, BLOCK_IDS,
+    K_DESC, V_DESC,  # TMA: descriptors of K and V as [slots, kv_heads x D] with [BLOCK_N, D] boxes; else None
     stride_qt, stride_qh,  # q [T, heads, D]
     stride_kb, stride_kt, stride_kh,  # k/v caches [blocks, BS, kv_heads, D] (views of the pool: own strides)
     stride_sb, stride_st,  # fp8 scales [blocks, BS, kv_heads]
@@ -98,7 +127,7 @@ def segment_attention_kernel(
     qk_scale,  # head_dim ** -0.5 * log2(e): scores in the log2 domain
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    WAIT_AT_END: tl.constexpr,
+    WAIT_AT_END: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Under PDL (kernels/pdl.py) a launch may start while the kernel before it (RoPE and the KV append) runs.
     # The plan, uploaded before the step, loads before the wait: the item, its rows and their positions, three
@@ -109,7 +138,7 @@ def segment_attention_kernel(
     # runs alongside it and waits only before it ends: the merge after it still finds every partial written.
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
-    entry_off, num_rows, kv_start, kv_end, block_off, slot0 = load_item(ITEMS, item)
+    entry_off, num_rows, kv_start, kv_end, block_off, slot0, linear_slot = load_item(ITEMS, item)
     m = tl.arange(0, BLOCK_M)
     row_local = m // GROUP
     head = kv_head * GROUP + m % GROUP
@@ -131,10 +160,23 @@ def segment_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for start in range(kv_start, full_end, BLOCK_N):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, block_off,
-                                          kv_head, d, stride_kb, stride_kt, stride_kh, stride_sb, stride_st,
-                                          qk_scale, BS, BLOCK_N, FP8, IEEE, MASKED=False)
+        if TMA:
+            if linear_slot >= 0:  # consecutive blocks: position p sits at slot linear_slot + p - kv_start
+                for start in range(kv_start, full_end, BLOCK_N):
+                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS,
+                                                  block_off, kv_head, d, stride_kb, stride_kt, stride_kh, stride_sb,
+                                                  stride_st, qk_scale, BS, BLOCK_N, FP8, IEEE, MASKED=False,
+                                                  K_DESC=K_DESC, V_DESC=V_DESC,
+                                                  tma_row=linear_slot + (start - kv_start),
+                                                  tma_col=kv_head * HEAD_DIM, TMA=True)
+            else:
+                acc, m_i, l_i = _unmasked_steps(acc, m_i, l_i, q, q_pos, kv_start, full_end, hi, K, V, KS, VS,
+                                                BLOCK_IDS, block_off, kv_head, d, stride_kb, stride_kt, stride_kh,
+                                                stride_sb, stride_st, qk_scale, BS, BLOCK_N, FP8, IEEE)
+        else:
+            acc, m_i, l_i = _unmasked_steps(acc, m_i, l_i, q, q_pos, kv_start, full_end, hi, K, V, KS, VS, BLOCK_IDS,
+                                            block_off, kv_head, d, stride_kb, stride_kt, stride_kh, stride_sb,
+                                            stride_st, qk_scale, BS, BLOCK_N, FP8, IEEE)
         for start in range(full_end, hi, BLOCK_N):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, start, hi, K, V, KS, VS, BLOCK_IDS, block_off,
                                           kv_head, d, stride_kb, stride_kt, stride_kh, stride_sb, stride_st,

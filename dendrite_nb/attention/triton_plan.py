@@ -1,9 +1,11 @@
 """Host side of the Triton attention plan: work items and index arrays, built with numpy, packed into one
 int32 buffer (one host-to-device copy per forward). No torch device work here.
 
-A work item (ITEM_COLS ints): entry offset, rows, kv_start, kv_end, block offset, first slot. Item i reads
-positions [kv_start, kv_end) for entries entry_rows[offset: offset + rows]; row j writes partial slot
-first + j; the block of position p is block_ids[block offset + p // block_size].
+A work item (ITEM_COLS ints): entry offset, rows, kv_start, kv_end, block offset, first slot, linear slot.
+Item i reads positions [kv_start, kv_end) for entries entry_rows[offset: offset + rows]; row j writes partial
+slot first + j; the block of position p is block_ids[block offset + p // block_size]; where the run's blocks are
+consecutive in the pool (and the plan marks them: `linear_width`), position p is at cache slot linear slot + p -
+kv_start, else linear slot is -1.
 """
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ LOOP_PLAN_RUNS = 32
 
 def build_host_plan(runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]], positions: Sequence[int],
                     slot_mapping: Sequence[int], block_size: int, group: int, widths: tuple[int, ...],
-                    chunk_for: Callable[[int], int]) -> HostPlan:
+                    chunk_for: Callable[[int], int], linear_width: int = 0) -> HostPlan:
     """runs: (query tokens, kv start, kv end, blocks from start // block_size) per KV run. positions: [T] each
     query token's position (its causal limit). widths: tile widths (query vectors), ascending. A run takes the
     narrowest tile that holds all its rows x group heads, or tiles of the widest. Each tile width is one
@@ -152,23 +154,45 @@ def build_host_plan(runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]
     chunks of chunk_for(work) positions, work being that width's tile-positions (sum over its runs of tiles x
     run length). Long runs split until the launch fills the GPU, and short ones stay whole.
 
+    linear_width (one of widths; 0: none): runs whose blocks are consecutive in the pool get their items'
+    linear slots, and take tiles of at most this width (the TMA launch's best: benchmarks/REPORT.md); other
+    items' linear slots are -1.
+
     Items come out run by run, tile by tile (rows in run order), chunk by chunk, and each item's rows take the
     next partial slots in that order. A few runs are planned one by one, many with arrays (the same plan)."""
+    if linear_width and linear_width not in widths:
+        raise ValueError(f"linear_width {linear_width} is not one of the tile widths {widths}")
     if len(runs) <= LOOP_PLAN_RUNS:
-        return plan_by_loop(runs, positions, slot_mapping, block_size, group, widths, chunk_for)
+        return plan_by_loop(runs, positions, slot_mapping, block_size, group, widths, chunk_for, linear_width)
     return plan_by_arrays(KVRuns.of(runs), np.asarray(positions, dtype=np.int64), slot_mapping, block_size, group,
-                          widths, chunk_for)
+                          widths, chunk_for, linear_width)
+
+
+def linear_base(blocks: Sequence[int], start: int, end: int, block_size: int) -> int | None:
+    """The cache slot of position 0 if the blocks of positions [start, end) are consecutive (blocks: the physical
+    block of each logical block from start // block_size on), so position p sits at that slot + p; else None."""
+    first, needed = start // block_size, -(-end // block_size) - start // block_size
+    if needed <= 0:
+        return None
+    head = blocks[0]
+    if needed > 1 and (blocks[needed - 1] - head != needed - 1
+                       or np.any(np.diff(np.asarray(blocks[:needed])) != 1)):
+        return None
+    return (head - first) * block_size
 
 
 def plan_by_loop(runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]], positions: Sequence[int],
                  slot_mapping: Sequence[int], block_size: int, group: int, widths: tuple[int, ...],
-                 chunk_for: Callable[[int], int]) -> HostPlan:
+                 chunk_for: Callable[[int], int], linear_width: int = 0) -> HostPlan:
     """build_host_plan, one run at a time."""
     tiled = []
     work = dict.fromkeys(widths, 0)
     for tokens, start, end, blocks in runs:
         block_m = next((width for width in widths if len(tokens) * group <= width), widths[-1])
-        tiled.append((block_m, block_m // group, tokens, start, end, blocks))
+        base = linear_base(blocks, start, end, block_size) if linear_width else None
+        if base is not None:
+            block_m = min(block_m, linear_width)
+        tiled.append((block_m, block_m // group, tokens, start, end, blocks, base))
         work[block_m] += -(-len(tokens) // (block_m // group)) * (end - start)
     chunks = {width: chunk_for(width_work) for width, width_work in work.items() if width_work}
     items: dict[int, list[tuple[int, ...]]] = {width: [] for width in widths}
@@ -176,7 +200,7 @@ def plan_by_loop(runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]], 
     entry_pos: list[int] = []
     block_ids: list[int] = []
     num_slots = 0
-    for block_m, per_tile, tokens, start, end, blocks in tiled:
+    for block_m, per_tile, tokens, start, end, blocks, base in tiled:
         block_off = len(block_ids) - start // block_size
         block_ids.extend(blocks)
         for first in range(0, len(tokens), per_tile):
@@ -188,7 +212,8 @@ def plan_by_loop(runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]], 
             entry_pos.extend(tile_pos)
             chunk = chunks.get(block_m, 1)  # absent only when every run of this width is empty: nothing to cut
             for lo in range(start, hi, chunk):
-                items[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots))
+                items[block_m].append((entry_off, len(tile), lo, min(hi, lo + chunk), block_off, num_slots,
+                                       -1 if base is None else base + lo))
                 num_slots += len(tile)
     arrays = {block_m: np.array(rows, dtype=np.int32).reshape(-1, ITEM_COLS) for block_m, rows in items.items()}
     rows_np = np.array(entry_rows, dtype=np.int32)
@@ -198,11 +223,15 @@ def plan_by_loop(runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]], 
 
 
 def plan_by_arrays(runs: KVRuns, positions: np.ndarray, slot_mapping: Sequence[int], block_size: int, group: int,
-                   widths: tuple[int, ...], chunk_for: Callable[[int], int]) -> HostPlan:
+                   widths: tuple[int, ...], chunk_for: Callable[[int], int], linear_width: int = 0) -> HostPlan:
     """build_host_plan, every step an array operation over all runs at once."""
     rows_per_run = np.diff(runs.row_ptr)
     width_list = np.array(widths, dtype=np.int64)
     width_of_run = np.minimum(np.searchsorted(width_list, rows_per_run * group), len(widths) - 1)
+    consecutive, base_of_run = (_linear_bases(runs, block_size) if linear_width else
+                                (np.zeros(len(rows_per_run), dtype=bool), np.zeros(len(rows_per_run), np.int64)))
+    if linear_width:  # consecutive runs take tiles of at most linear_width
+        width_of_run = np.where(consecutive, np.minimum(width_of_run, widths.index(linear_width)), width_of_run)
     per_tile = width_list[width_of_run] // group  # rows per tile
     tiles = -(-rows_per_run // per_tile)
     work = np.bincount(width_of_run, weights=tiles * (runs.ends - runs.starts), minlength=len(widths))
@@ -227,13 +256,30 @@ def plan_by_arrays(runs: KVRuns, positions: np.ndarray, slot_mapping: Sequence[i
     hi = np.minimum(tile_hi[tile_of_item], lo + tile_chunk[tile_of_item])
     table = np.stack([entry_off[tile_of_item], item_rows, lo, hi,
                       runs.block_ptr[:-1][run_of_item] - runs.starts[run_of_item] // block_size,
-                      np.cumsum(item_rows) - item_rows], axis=1).astype(np.int32).reshape(-1, ITEM_COLS)
+                      np.cumsum(item_rows) - item_rows,
+                      np.where(consecutive[run_of_item], base_of_run[run_of_item] + lo, -1)],
+                     axis=1).astype(np.int32).reshape(-1, ITEM_COLS)
     width_of_item = width_of_run[run_of_item]
     arrays = {width: table[width_of_item == index] for index, width in enumerate(widths)}
     rows_np = runs.rows.astype(np.int32)
     indptr, slots = _slots_by_token(np.concatenate(list(arrays.values())), rows_np, len(slot_mapping))
     return HostPlan(arrays, rows_np, entry_pos.astype(np.int32), runs.blocks.astype(np.int32), indptr, slots,
                     np.asarray(slot_mapping, dtype=np.int32), int(item_rows.sum()))
+
+
+def _linear_bases(runs: KVRuns, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """linear_base of every run at once: ([R] bool, whether the run's blocks are consecutive; [R] the slot of
+    position 0 where they are, which may be negative: only positions from the run's start are read)."""
+    first = runs.starts // block_size
+    needed = -(-runs.ends // block_size) - first
+    if not len(runs.blocks):
+        return np.zeros(len(first), dtype=bool), np.zeros(len(first), dtype=np.int64)
+    steps_ok = np.diff(runs.blocks) == 1  # [NB - 1]: block k + 1 follows block k
+    breaks = np.concatenate([[0], np.cumsum(~steps_ok)])  # [NB]: non-consecutive steps before block k
+    head_at = np.minimum(runs.block_ptr[:-1], len(runs.blocks) - 1)
+    last_at = np.clip(runs.block_ptr[:-1] + needed - 1, head_at, len(runs.blocks) - 1)
+    consecutive = (needed > 0) & (breaks[last_at] == breaks[head_at])
+    return consecutive, (runs.blocks[head_at] - first) * block_size
 
 
 def _slots_by_token(items: np.ndarray, entry_rows: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
