@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> dict:
                            help="prefill_chunk_tokens values (default 512 1024 2048 4096 8192)")
     arguments.add_argument("--repeats", type=int, default=None, help="default 3 (smoke 1)")
     arguments.add_argument("--attention", default="auto")
+    arguments.add_argument("--no-tma", action="store_true",
+                           help="the Triton backend loads every KV tile through the block table (no TMA)")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     shapes = args.shapes or (["qwen3-0.6b"] if setup.smoke else ["qwen3-0.6b", "llama-3.1-8b"])
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                 num_blocks=-(-length // BLOCK_SIZE) + 8, prefill_chunk_tokens=chunk)
                 if engine is None:
                     raise SystemExit(f"attention {args.attention!r} cannot run here: {reason}")
+                if args.no_tma and hasattr(engine.backend, "tma"):
+                    engine.backend.tma = False
                 if setup.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(setup.device)
 

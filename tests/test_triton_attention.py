@@ -132,6 +132,12 @@ def test_tma_tiles_of_consecutive_blocks_equal_the_block_table_path(device, shap
     assert (plain.attend(plain.plan(layout, 4, eng.device), q, kv) - got).abs().max() < 1e-5
     fp8 = TritonAttention(tma=True).tma_reason(eng.device, torch.float8_e4m3fn)
     assert fp8 is not None and "fp8" in fp8
+    # Prefills keep the block-table loads and their 128-wide tiles (TMA's were slower there), and a graph captured
+    # for one kind of plan is not replayed for the other.
+    prefill = BatchLayout(q_lens=[70], kv_lens=[70], block_tables=[list(range(18))])
+    prefill_host = tma.host_plan(prefill, 4, eng.device)
+    assert not prefill_host.linear and all((items[:, 6] == -1).all() for items in prefill_host.items.values())
+    assert host.linear and host.shape().linear and not host.shape().fits(plain.host_plan(layout, 4, eng.device).shape())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -82,8 +82,11 @@ MIN_BLOCK_N = 16  # tl.dot's smallest tile side
 # 15.7 us in 64-wide TMA tiles cut 8 ways, against 20.0 us for the block-table loads in 128-wide tiles cut 16
 # ways as the engine planned it, and half the partials to merge; tree_attention's (i) 69.4 against 86.7 us.
 # Block-table loads in 64-wide tiles were slower than in 128-wide ones, so runs that are not consecutive keep
-# the 128-wide tiles. Automatic for bf16 and fp16 caches on Hopper, where it was measured (tma=True elsewhere:
-# consumer Blackwell's 99 KB of shared memory a block holds fewer stages of the launch's 112 KB, stepping down).
+# the 128-wide tiles. Decode steps only: a prefill of consecutive blocks in 64-wide TMA tiles was slower than in
+# 128-wide block-table tiles (H100, prefill_chunks.py, 4,096-token chunks: 0.6B x 16,384 tokens 168.5 against
+# 141.0 ms, 8B 633.6 against 553.4). Automatic for bf16 and fp16 caches on Hopper, where it was measured
+# (tma=True elsewhere: consumer Blackwell's 99 KB of shared memory a block holds fewer stages of the launch's
+# 112 KB, stepping down).
 TMA_TILE_WIDTH = 64
 TMA_MEASURED_MAJOR = 9  # compute capability 9.x: H100, H200, GH200
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 in hardware, which Triton's fp8e4nv needs
@@ -113,6 +116,7 @@ class TritonPlan:
     slot_mapping: torch.Tensor  # [T] int32 flat cache slot of each new token
     launches: list[_Launch]
     one_tile: int  # PlanShape.one_tile: attend_with_rope may take the step in one launch per layer (its BLOCK_N)
+    linear: bool  # PlanShape.linear: items may carry linear slots, which the wide launches read through TMA
     entry_rows: torch.Tensor  # [E] int32 query token of each (item, row) entry
     entry_pos: torch.Tensor  # [E] int32 its position, for the causal mask
     block_ids: torch.Tensor  # [NB] int32 the blocks the items read
@@ -202,9 +206,10 @@ class TritonAttention:
         launches = [_Launch(views[f"items{block_m}"].view(count, ITEM_COLS), block_m,
                             shape.short_runs and block_m == narrowest)
                     for block_m, count in shape.items if count]
-        return TritonPlan(num_slots=shape.slots, slot_mapping=views["mapping"],
-                          launches=launches, one_tile=shape.one_tile, entry_rows=views["rows"], entry_pos=views["pos"],
-                          block_ids=views["blocks"], slot_indptr=views["indptr"], slots=views["slots"], host=host)
+        return TritonPlan(num_slots=shape.slots, slot_mapping=views["mapping"], launches=launches,
+                          one_tile=shape.one_tile, linear=shape.linear, entry_rows=views["rows"],
+                          entry_pos=views["pos"], block_ids=views["blocks"], slot_indptr=views["indptr"],
+                          slots=views["slots"], host=host)
 
     def host_plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> HostPlan:
         """Work items and index arrays for `layout`, on the host (no device work)."""
@@ -220,10 +225,12 @@ class TritonAttention:
             host = build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, lambda work: tile)
             host.one_tile = tile
             return host
-        linear_width = (TMA_TILE_WIDTH if TMA_TILE_WIDTH in widths[1:] and self.kv_dtype is not None
-                        and self.uses_tma(device, self.kv_dtype) else 0)
-        return build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, self._chunker(device),
+        linear_width = (TMA_TILE_WIDTH if layout.is_decode and TMA_TILE_WIDTH in widths[1:]
+                        and self.kv_dtype is not None and self.uses_tma(device, self.kv_dtype) else 0)
+        host = build_host_plan(runs, positions, slot_mapping, block_size, self.group, widths, self._chunker(device),
                                linear_width)
+        host.linear = bool(linear_width)
+        return host
 
     def tma_reason(self, device: torch.device, kv_dtype: torch.dtype) -> str | None:
         """Why KV tiles of consecutive blocks do not load through TMA here, or None where they do."""
@@ -403,7 +410,7 @@ class TritonAttention:
                 block_n, (warps, stages) = BLOCK_N, self.narrow_launch
             block_n = INTERPRET_BLOCK_N if interpreting() else block_n
             asked = (block_n, warps, stages)
-            launch_tma = tma and launch.block_m > 16 and not launch.short  # the wide launches, as measured
+            launch_tma = plan.linear and tma and launch.block_m > 16 and not launch.short  # as measured
             key = (q.device, q.dtype, kv.k.dtype, launch.block_m, asked, launch_tma)
             settings = self._fitted_launches.get(key, asked)
             while True:

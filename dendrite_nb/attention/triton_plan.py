@@ -36,6 +36,9 @@ class PlanShape:
     # A decode step whose every item is one row's run of at most one KV tile of this many positions: the fused
     # decode kernel (triton_decode_kernel.py) may take it whole, with this BLOCK_N. 0: not such a step.
     one_tile: int = 0
+    # The plan marks runs of consecutive blocks (their items' linear slots) for the TMA launch: decode steps on
+    # a backend that uses TMA (triton_backend.TMA_TILE_WIDTH says why not prefills).
+    linear: bool = False
 
     def sections(self) -> list[tuple[str, int]]:
         return ([(f"items{block_m}", count * ITEM_COLS) for block_m, count in self.items]
@@ -53,7 +56,8 @@ class PlanShape:
                 and other.entries <= self.entries and other.blocks <= self.blocks
                 and other.slots <= self.slots and other.tokens <= self.tokens
                 and other.short_runs == self.short_runs  # a captured launch keeps its KV step
-                and other.one_tile == self.one_tile)  # and its kernel and tile
+                and other.one_tile == self.one_tile  # and its kernel and tile
+                and other.linear == self.linear)  # and its loads
 
     def padded(self, min_tokens: int) -> PlanShape:
         """The next power-of-two shape (so a graph serves many steps of a growing context)."""
@@ -63,7 +67,7 @@ class PlanShape:
         return PlanShape(tuple((block_m, up(count, 8) if count else 0) for block_m, count in self.items),
                          up(self.entries),
                          up(self.blocks, 64), up(self.slots), max(min_tokens, self.tokens), self.short_runs,
-                         self.one_tile)
+                         self.one_tile, self.linear)
 
 
 @dataclass(slots=True)
@@ -77,6 +81,7 @@ class HostPlan:
     slot_mapping: np.ndarray  # [T] flat cache slot of each new token
     num_slots: int
     one_tile: int = 0  # see PlanShape.one_tile
+    linear: bool = False  # see PlanShape.linear
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +92,7 @@ class HostPlan:
         short_runs = len(narrowest) > 0 and int((narrowest[:, 3] - narrowest[:, 2]).max()) <= SHORT_RUN_TOKENS
         return PlanShape(tuple((block_m, len(items)) for block_m, items in self.items.items()),
                          len(self.entry_rows), len(self.block_ids), self.num_slots, self.num_tokens, short_runs,
-                         self.one_tile)
+                         self.one_tile, self.linear)
 
     def pack(self, shape: PlanShape, trash_slot: int) -> torch.Tensor:
         """One int32 tensor holding every section, padded to `shape`: padding items have no rows, padding
