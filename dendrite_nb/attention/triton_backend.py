@@ -400,7 +400,6 @@ class TritonAttention:
         fp8 = kv.k_scale is not None
         ks, vs, stride_sb, stride_st = _scale_arguments(kv, partial)
         compiled = []
-        tma = self.uses_tma(q.device, kv.k.dtype)
         for index, launch in enumerate(plan.launches):
             if launch.short:
                 block_n, warps, stages = self.short_run_launch
@@ -410,7 +409,8 @@ class TritonAttention:
                 block_n, (warps, stages) = BLOCK_N, self.narrow_launch
             block_n = INTERPRET_BLOCK_N if interpreting() else block_n
             asked = (block_n, warps, stages)
-            launch_tma = plan.linear and tma and launch.block_m > 16 and not launch.short  # as measured
+            # plan.linear: host_plan found TMA usable for this device and cache; the wide launches take it, as measured.
+            launch_tma = plan.linear and launch.block_m > 16 and not launch.short
             key = (q.device, q.dtype, kv.k.dtype, launch.block_m, asked, launch_tma)
             settings = self._fitted_launches.get(key, asked)
             while True:
