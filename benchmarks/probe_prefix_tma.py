@@ -11,13 +11,15 @@ This times one kernel over the prefix chunks of decode_step's (a) and tree_atten
 K and V (the rest is the same code):
   - `table`: pointer loads through the block table, as the engine's segment kernel does;
   - `linear`: pointer loads at consecutive slots (the block table read once, for the first block);
-  - `tma`: the tile loaded through a host-built TensorDescriptor over the pool's [slots, kv_heads x head_dim] view.
+  - `tma`: the tile loaded through a host-built TensorDescriptor over the pool's [slots, kv_heads x head_dim] view;
+  - `dtma`, `tma_ws`, `dtma_ws` (not run unless asked): descriptors built on the device, and the KV loop warp
+    specialised by Triton, with host or device descriptors.
 Each writes float32 partials and log-sum-exps as the engine does; the partials merged in torch are checked
 against float32 attention. Figures: us and TFLOP/s next to the FLOP floor (4 x rows x keys x head_dim x heads /
 the matmul rate measured here) and the bytes floor (the prefix's K/V once / copy bandwidth). Compare with
 `tune_tree_attention.py --only default --launches`, which times the engine's own launches on the same layouts.
 
-    python benchmarks/probe_prefix_tma.py [--modes table linear tma] [--launches 4,3,64 8,3,64 ...]
+    python benchmarks/probe_prefix_tma.py [--modes table linear tma dtma tma_ws dtma_ws] [--launches 4,3,64 ...]
 
 A probe, not an engine path: its figures go in benchmarks/REPORT.md. With --smoke it runs small shapes in
 Triton's CPU interpreter (a CI check of the three load paths).
@@ -37,7 +39,13 @@ from bench_common import kernel_seconds, log, measure_copy_bandwidth, measure_ma
 from bench_common import setup as make_setup
 
 LOG2E = 1.4426950408889634
-MODES = {"table": 0, "linear": 1, "tma": 2}
+MODES = {"table": 0, "linear": 1, "tma": 2, "dtma": 3, "tma_ws": 4, "dtma_ws": 5}
+# Modes 3-5: device-side descriptors (`tl.make_tensor_descriptor`, built inside the kernel) and Triton's warp
+# specialisation of the KV loop (a producer warp issues the TMA copies while the others compute). Triton enables
+# warp specialisation on Hopper only for some loops, and its notes say with device-side descriptors; a mode that
+# does not compile is reported as failed.
+DEVICE_DESCRIPTOR_MODES = (3, 5)
+WARP_SPECIALISED_MODES = (4, 5)
 # (num_warps, num_stages, BLOCK_N); the engine's wide launch is (4, 3) with BLOCK_N 64.
 DEFAULT_LAUNCHES = ((4, 3, 64), (8, 3, 64), (4, 4, 64), (8, 2, 128), (4, 3, 32))
 
@@ -72,9 +80,10 @@ SMOKE_CASES = (PrefixCase("smoke", 8, 64, 2, query_heads=4, kv_heads=2, head_dim
 
 @triton.jit
 def prefix_chunk_kernel(Q, K, V, K_DESC, V_DESC, BLOCK_IDS, OUT_P, LSE_P,
-                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, chunk_tokens, qk_scale,
-                        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr):
+                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, chunk_tokens, qk_scale, total_slots,
+                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr,
+                        WARP_SPECIALIZE: tl.constexpr):
     """Program (row tile x chunk, KV head): BLOCK_M query vectors (BLOCK_M // GROUP leaves x the KV head's GROUP
     query heads) over one chunk of the prefix; writes each vector's normalised partial and log2-sum-exp into slot
     leaf * NUM_CHUNKS + chunk. Every row sees every prefix position: no masks, as a shared prefix's steps run."""
@@ -92,7 +101,12 @@ def prefix_chunk_kernel(Q, K, V, K_DESC, V_DESC, BLOCK_IDS, OUT_P, LSE_P,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     start0 = chunk * chunk_tokens
-    for start in range(start0, start0 + chunk_tokens, BLOCK_N):
+    if MODE == 3 or MODE == 5:
+        K_DESC = tl.make_tensor_descriptor(K, shape=[total_slots, NUM_KV_HEADS * HEAD_DIM],
+                                           strides=[NUM_KV_HEADS * HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        V_DESC = tl.make_tensor_descriptor(V, shape=[total_slots, NUM_KV_HEADS * HEAD_DIM],
+                                           strides=[NUM_KV_HEADS * HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    for start in tl.range(start0, start0 + chunk_tokens, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         pos = start + tl.arange(0, BLOCK_N)
         if MODE == 0:
             block = tl.load(BLOCK_IDS + pos // BS)
@@ -152,21 +166,29 @@ def descriptors(case: PrefixCase, inputs: Inputs, block_n: int):
     return [TensorDescriptor.from_tensor(view, [block_n, case.head_dim]) for view in views]
 
 
+def _descriptor_scratch(size: int, alignment: int, stream):
+    """Global scratch that Triton asks for where a kernel builds tensor descriptors on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def launch(case: PrefixCase, inputs: Inputs, mode: str, num_warps: int, num_stages: int, block_n: int,
            block_m: int = 128) -> None:
     block_m = min(block_m, case.leaves * case.group)
     chunk_tokens = case.prefix_tokens // case.chunks
     if chunk_tokens % block_n:
         raise ValueError(f"chunks of {chunk_tokens} tokens are not whole {block_n}-position steps")
-    k_desc, v_desc = descriptors(case, inputs, block_n) if mode == "tma" else (None, None)
+    k_desc, v_desc = descriptors(case, inputs, block_n) if mode in ("tma", "tma_ws") else (None, None)
+    if MODES[mode] in DEVICE_DESCRIPTOR_MODES:
+        triton.set_allocator(_descriptor_scratch)
     grid = (case.leaves * case.group // block_m * case.chunks, case.kv_heads)
     k = inputs.k_cache
     prefix_chunk_kernel[grid](
         inputs.q, k, inputs.v_cache, k_desc, v_desc, inputs.block_ids, inputs.out_p, inputs.lse_p,
         inputs.q.stride(0), inputs.q.stride(1), k.stride(0), k.stride(1), k.stride(2), chunk_tokens,
-        case.head_dim ** -0.5 * LOG2E,
-        NUM_HEADS=case.query_heads, GROUP=case.group, HEAD_DIM=case.head_dim, BS=case.block_size,
+        case.head_dim ** -0.5 * LOG2E, k.shape[0] * k.shape[1],
+        NUM_HEADS=case.query_heads, NUM_KV_HEADS=case.kv_heads, GROUP=case.group, HEAD_DIM=case.head_dim, BS=case.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=case.chunks, MODE=MODES[mode],
+        WARP_SPECIALIZE=MODES[mode] in WARP_SPECIALISED_MODES,
         num_warps=num_warps, num_stages=num_stages)
 
 
@@ -188,7 +210,9 @@ def relative_error(case: PrefixCase, inputs: Inputs) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     arguments = parser(__doc__)
-    arguments.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    arguments.add_argument("--modes", nargs="+", choices=list(MODES), default=["table", "linear", "tma"],
+                           help="load paths to time; dtma / tma_ws / dtma_ws are the warp-specialisation trials "
+                                "(REPORT: no gain on the H200, and 4-warp launches fail to compile there)")
     arguments.add_argument("--chunks", nargs="+", type=int, default=None,
                            help="cut each case's prefix into these numbers of chunks (default: the engine's plan)")
     arguments.add_argument("--block-m", nargs="+", type=int, default=[128],

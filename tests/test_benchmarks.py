@@ -226,16 +226,18 @@ def test_chain_probes_match_torch_in_the_interpreter(probe, says, monkeypatch, c
     assert says in capsys.readouterr().out
 
 
-def test_prefix_tma_probe_loads_the_same_tiles_three_ways_in_the_interpreter(monkeypatch, capsys):
+def test_prefix_tma_probe_loads_the_same_tiles_every_way_in_the_interpreter(monkeypatch, capsys):
     """probe_prefix_tma.py: its kernel over a prefix's chunks through the block table, at consecutive slots and
-    through TMA descriptors; each way's merged partials must equal float32 attention (main() exits otherwise)."""
+    through TMA descriptors (built on the host or the device, the loop warp-specialised or not); each way's
+    merged partials must equal float32 attention (main() exits otherwise)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     triton = pytest.importorskip("triton")
     if not triton.knobs.runtime.interpret:
         pytest.skip("the probe's CPU check needs TRITON_INTERPRET=1 (the test session's default)")
-    importlib.import_module("probe_prefix_tma").main(["--smoke", "--device", "cpu"])
+    modes = ["table", "linear", "tma", "dtma", "tma_ws", "dtma_ws"]
+    importlib.import_module("probe_prefix_tma").main(["--smoke", "--device", "cpu", "--modes", *modes])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert [row[0] for row in rows] == ["table", "linear", "tma"]
+    assert [row[0] for row in rows] == modes
     assert all(float(row[-1]) < 1e-5 for row in rows)
 
 
