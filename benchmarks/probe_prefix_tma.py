@@ -83,7 +83,7 @@ def prefix_chunk_kernel(Q, K, V, K_DESC, V_DESC, BLOCK_IDS, OUT_P, LSE_P,
                         stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, chunk_tokens, qk_scale, total_slots,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr,
-                        WARP_SPECIALIZE: tl.constexpr):
+                        DEVICE_DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Program (row tile x chunk, KV head): BLOCK_M query vectors (BLOCK_M // GROUP leaves x the KV head's GROUP
     query heads) over one chunk of the prefix; writes each vector's normalised partial and log2-sum-exp into slot
     leaf * NUM_CHUNKS + chunk. Every row sees every prefix position: no masks, as a shared prefix's steps run."""
@@ -101,7 +101,7 @@ def prefix_chunk_kernel(Q, K, V, K_DESC, V_DESC, BLOCK_IDS, OUT_P, LSE_P,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     start0 = chunk * chunk_tokens
-    if MODE == 3 or MODE == 5:
+    if DEVICE_DESCRIPTORS:
         K_DESC = tl.make_tensor_descriptor(K, shape=[total_slots, NUM_KV_HEADS * HEAD_DIM],
                                            strides=[NUM_KV_HEADS * HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
         V_DESC = tl.make_tensor_descriptor(V, shape=[total_slots, NUM_KV_HEADS * HEAD_DIM],
@@ -178,8 +178,6 @@ def launch(case: PrefixCase, inputs: Inputs, mode: str, num_warps: int, num_stag
     if chunk_tokens % block_n:
         raise ValueError(f"chunks of {chunk_tokens} tokens are not whole {block_n}-position steps")
     k_desc, v_desc = descriptors(case, inputs, block_n) if mode in ("tma", "tma_ws") else (None, None)
-    if MODES[mode] in DEVICE_DESCRIPTOR_MODES:
-        triton.set_allocator(_descriptor_scratch)
     grid = (case.leaves * case.group // block_m * case.chunks, case.kv_heads)
     k = inputs.k_cache
     prefix_chunk_kernel[grid](
@@ -188,6 +186,7 @@ def launch(case: PrefixCase, inputs: Inputs, mode: str, num_warps: int, num_stag
         case.head_dim ** -0.5 * LOG2E, k.shape[0] * k.shape[1],
         NUM_HEADS=case.query_heads, NUM_KV_HEADS=case.kv_heads, GROUP=case.group, HEAD_DIM=case.head_dim, BS=case.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=case.chunks, MODE=MODES[mode],
+        DEVICE_DESCRIPTORS=MODES[mode] in DEVICE_DESCRIPTOR_MODES,
         WARP_SPECIALIZE=MODES[mode] in WARP_SPECIALISED_MODES,
         num_warps=num_warps, num_stages=num_stages)
 
@@ -227,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.chunks:
         cases = [dataclasses.replace(case, chunks=chunks) for case in cases for chunks in args.chunks]
     device, dtype = setup.device, setup.dtype
+    if any(MODES[mode] in DEVICE_DESCRIPTOR_MODES for mode in args.modes):
+        triton.set_allocator(_descriptor_scratch)  # where those kernels build their descriptors
     timed = device.type == "cuda"
     if timed:
         bandwidth = measure_copy_bandwidth(device)
