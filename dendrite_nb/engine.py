@@ -30,6 +30,7 @@ from .model.transformer import CausalLM
 from .paths import user_path
 from .sampling import SamplingParams, check_seed, derive_seed, sample
 from .snapshot import block_snapshot, tree_snapshot
+from .wording import counted
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV cache may also be fp8 (e4m3 with a float32 scale per token and KV head, kv/fp8.py); weights may not.
@@ -594,7 +595,7 @@ class Engine:
         for branch in resolved:
             self._check_not_empty(branch)
             self._check_context(branch.name, len(branch), max_new_tokens)
-        what = f"generating {max_new_tokens:,} tokens on {len(resolved)} branch{'es' if len(resolved) > 1 else ''}"
+        what = f"generating {counted(max_new_tokens, 'token')} on {counted(len(resolved), 'branch')}"
         tree = self.branch_tree
         needs = [tree.blocks_needed(b, max_new_tokens) for b in resolved]
         if sum(needs) > self.num_free_blocks:
@@ -906,7 +907,7 @@ class Engine:
         used, branches = self.pool.num_blocks - self.num_free_blocks, len(self.branch_tree.branches)
         kv = f" (KV {str(self.kv_dtype).removeprefix('torch.')})" if self.kv_dtype != self.dtype else ""
         return (f"Engine({self.config.describe()}, {self.device.type} {str(self.dtype).removeprefix('torch.')}{kv}, "
-                f"{branches} branch{'' if branches == 1 else 'es'}, {used:,}/{self.pool.num_blocks:,} KV blocks used)")
+                f"{counted(branches, 'branch')}, {used:,}/{self.pool.num_blocks:,} KV blocks used)")
 
 
 class _ClosedTree:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from array import array
 
 from .events import DecodeStep, Event
+from .wording import counted
 
 
 class StepHistory:
@@ -42,7 +43,7 @@ class StepHistory:
             return "no decode steps yet; run a generation first"
         seconds, tokens = self.total_s, self.total_tokens
         rate = f"{tokens / seconds:,.0f} tok/s" if seconds > 0 else "no measurable time"
-        return (f"last generation: {len(self):,} steps, {tokens:,} tokens in {seconds:.2f} s "
+        return (f"last generation: {counted(len(self), 'step')}, {counted(tokens, 'token')} in {seconds:.2f} s "
                 f"({rate}; mean step {1e3 * seconds / len(self):.1f} ms)")
 
     def __repr__(self) -> str:

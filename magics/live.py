@@ -13,6 +13,7 @@ from IPython.display import display
 
 from dendrite_nb import DecodeStep, Engine
 from dendrite_nb.kv import Branch
+from dendrite_nb.wording import counted
 
 from .results import one_line
 
@@ -65,12 +66,12 @@ class LiveGeneration:
         rate = f"{total / self.seconds:,.0f} tok/s" if self.seconds > 0 else "- tok/s"
         where = f"{self.steps}/{self.max_steps} steps"
         if self.state == "done":
-            branches = f"{len(self.names)} branch{'es' if len(self.names) != 1 else ''}"
-            return f"✓ {branches}, {total:,} tokens, {self.steps} steps in {self.seconds:.2f} s ({rate})"
+            return (f"✓ {counted(len(self.names), 'branch')}, {counted(total, 'token')}, "
+                    f"{counted(self.steps, 'step')} in {self.seconds:.2f} s ({rate})")
         if self.state == "interrupted":
             return (f"⏹ interrupted at {where}: every branch kept the tokens of the completed steps "
-                    f"({total:,} tokens in {self.seconds:.2f} s, {rate})")
-        return f"{where}, {total:,} tokens, {rate}"
+                    f"({counted(total, 'token')} in {self.seconds:.2f} s, {rate})")
+        return f"{where}, {counted(total, 'token')}, {rate}"
 
     def _lines(self) -> list[tuple[str, str]]:
         if self.state != "running":

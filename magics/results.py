@@ -9,6 +9,8 @@ import html
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from dendrite_nb.wording import counted
+
 FORK_MARK = "⑂"       # marks a fork point in %show's plain-text output
 NEWLINE_MARK = "⏎"    # shown in place of a newline where a branch's text must fit one line
 
@@ -54,7 +56,7 @@ class Saved(PrettyByRepr):
     size_mib: float
 
     def __repr__(self) -> str:
-        return (f"saved {self.branches} branch{'es' if self.branches != 1 else ''} and {self.blocks:,} KV blocks "
+        return (f"saved {counted(self.branches, 'branch')} and {counted(self.blocks, 'KV block')} "
                 f"to {self.path} ({self.size_mib:,.1f} MiB)")
 
 
@@ -85,8 +87,8 @@ class Branches(PrettyByRepr):
         return len(self.names)
 
     def __repr__(self) -> str:
-        rows = ", ".join(f"{name} ({count:,} tokens)" for name, count in zip(self.names, self.num_tokens))
-        return f"{self.action}: {rows}; {self.free_blocks:,} KV blocks free"
+        rows = ", ".join(f"{name} ({counted(count, 'token')})" for name, count in zip(self.names, self.num_tokens))
+        return f"{self.action}: {rows}; {counted(self.free_blocks, 'KV block')} free"
 
 
 @dataclass(frozen=True, repr=False)
@@ -120,8 +122,9 @@ class Generated(PrettyByRepr):
         return sum(len(t) for t in self.tokens)
 
     def _status(self) -> str:
-        state = f"interrupted after {self.steps} of {self.max_steps} steps" if self.interrupted else f"{self.steps} steps"
-        return f"{len(self.names)} branch{'es' if len(self.names) != 1 else ''}, {self.num_tokens:,} new tokens, {state}"
+        state = (f"interrupted after {self.steps} of {self.max_steps} steps" if self.interrupted
+                 else counted(self.steps, "step"))
+        return f"{counted(len(self.names), 'branch')}, {counted(self.num_tokens, 'new token')}, {state}"
 
     def __repr__(self) -> str:
         width = max(len(n) for n in self.names)
@@ -145,7 +148,7 @@ class Pruned(PrettyByRepr):
         return iter(self.names)
 
     def __repr__(self) -> str:
-        return (f"pruned {', '.join(self.names)}: freed {self.freed_blocks:,} KV blocks; "
+        return (f"pruned {', '.join(self.names)}: freed {counted(self.freed_blocks, 'KV block')}; "
                 f"{self.free_blocks:,} free")
 
 
@@ -181,5 +184,5 @@ class Shown(PrettyByRepr):
             if index < len(self.segments) - 1:
                 spans.append(f"<b title='fork point' style='color:#d62728'>{FORK_MARK}</b>")
         return (f"<div class='dendrite-show'><div><b>{html.escape(self.name)}</b> "
-                f"({len(self.segments)} segment{'s' if len(self.segments) != 1 else ''}; "
+                f"({counted(len(self.segments), 'segment')}; "
                 f"{FORK_MARK} marks a fork point)</div><div style='font-family:monospace'>{''.join(spans)}</div></div>")

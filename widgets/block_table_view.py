@@ -6,6 +6,8 @@ from typing import Any
 import numpy as np
 import traitlets
 
+from dendrite_nb.wording import counted
+
 from .engine_view import EngineView, view_module
 
 MAX_READERS_SENT = 65_535   # readers travel as uint16; more than that is shown as the maximum
@@ -64,9 +66,9 @@ class BlockTableView(EngineView):
             "_logical": logical.tobytes(), "_filled": filled.tobytes(), "_copy_on_write": copies.tobytes(),
             "selected": selected,
             "_selected_blocks": np.asarray(snapshot["branches"].get(selected, []), dtype=np.int32).tobytes(),
-            "_summary": (f"{len(snapshot['blocks']):,} of {num_blocks:,} KV blocks in use "
-                         f"({snapshot['block_size']} token{'s' if snapshot['block_size'] != 1 else ''} each), {shared:,} read by more than one branch, "
-                         f"{int(copies.sum()):,} copy-on-write copies, {snapshot['num_free']:,} free"),
+            "_summary": (f"{len(snapshot['blocks']):,} of {counted(num_blocks, 'KV block')} in use "
+                         f"({counted(snapshot['block_size'], 'token')} each), {shared:,} read by more than one branch, "
+                         f"{counted(int(copies.sum()), 'copy-on-write copy')}, {snapshot['num_free']:,} free"),
         }
 
     def __repr__(self) -> str:

@@ -7,6 +7,7 @@ import numpy as np
 import traitlets
 
 from dendrite_nb.events import Event
+from dendrite_nb.wording import counted
 
 from .branch_states import BranchStates
 from .engine_view import EngineView, view_module
@@ -32,8 +33,8 @@ def tree_lines(snapshot: dict[str, Any]) -> list[str]:
         names = f" [{', '.join(node['branches'])}]" if node["branches"] else ""
         if node["parent"] is None:
             return f"root{names}"
-        return (f"node {node['id']}: +{node['num_tokens']:,} tokens at {node['start']:,}, "
-                f"{len(node['blocks'])} blocks{names}")
+        return (f"node {node['id']}: +{counted(node['num_tokens'], 'token')} at {node['start']:,}, "
+                f"{counted(len(node['blocks']), 'block')}{names}")
 
     root = next(node for node in nodes.values() if node["parent"] is None)
     out = [line(root)]
@@ -99,7 +100,8 @@ class TreeView(EngineView):
             "_blocks": np.asarray(blocks, dtype=np.int32).tobytes(),
             "_refcounts": np.asarray([allocator.refcount(b) for b in blocks], dtype=np.uint16).tobytes(),
             "selected": selected if selected in snapshot["branches"] else None,   # None once pruned
-            "_summary": f"{len(nodes):,} nodes, {len(snapshot['branches']):,} branches, {len(blocks):,} KV blocks",
+            "_summary": f"{counted(len(nodes), 'node')}, {counted(len(snapshot['branches']), 'branch')}, "
+                        f"{counted(len(blocks), 'KV block')}",
         }
 
     def __repr__(self) -> str:
