@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,11 +121,26 @@ def save(engine: Engine, path: str | Path) -> Path:
                   metadata={"dendrite": text, "dendrite_sha256": _sha(text.encode())})
         with open(temporary, "rb") as written:
             os.fsync(written.fileno())
+        os.chmod(temporary, _mode_for(target))  # after save_file, which makes its file owner-only again
         os.replace(temporary, target)  # atomic: readers see the old file or the new one, never a mix
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
     return target
+
+
+def _mode_for(target: Path) -> int:
+    """The permissions the saved file gets: an overwritten file's own, else what open() would give.
+
+    mkstemp and safetensors' save_file make their file readable by its owner only (0600). Without this,
+    a session saved on a shared workstation could not be restored by a colleague, unlike any other file
+    the user writes there."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)  # the only way to read the umask is to set it; put it straight back
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _jsonable(value: Any) -> Any:

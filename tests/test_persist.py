@@ -1,6 +1,7 @@
 """Engine.save / Engine.restore: a restored session decodes exactly as the uninterrupted one, and every bad
 file (truncated, bit-flipped, another model, dtype or block size) is refused with a SaveFileError."""
 import os
+import stat
 
 import pytest
 import torch
@@ -80,6 +81,20 @@ def test_save_replaces_the_file_atomically_and_a_failed_save_keeps_the_old_one(s
         eng.save(path)
     assert path.read_bytes() == before
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+@pytest.mark.skipif(os.name != "posix", reason="permission bits are POSIX")
+def test_a_save_file_gets_the_permissions_of_any_new_file_and_an_overwrite_keeps_its_own(saved):
+    eng, _, path = saved
+    umask = os.umask(0o022)
+    try:
+        fresh = eng.save(path.parent / "fresh.dendrite")
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o644  # not mkstemp's owner-only 0600
+        os.chmod(fresh, 0o640)
+        eng.save(fresh)
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o640
+    finally:
+        os.umask(umask)
 
 
 def flip_byte(path, offset_from_end):
