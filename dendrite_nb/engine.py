@@ -705,8 +705,9 @@ class Engine:
     def _check_context(self, name: str, have: int, adding: int) -> None:
         limit = self.config.max_position_embeddings
         if have + adding > limit:
-            raise ContextOverflow(f"ContextOverflow: branch {name!r} needs {have + adding:,} tokens "
-                                  f"({have:,} + {adding:,}), the model allows {limit:,}.")
+            room = f"add at most {limit - have:,}" if have < limit else "it is full; fork from an earlier point"
+            raise ContextOverflow(f"branch {name!r} needs {have + adding:,} tokens ({have:,} + {adding:,}), "
+                                  f"the model allows {limit:,}: {room}.")
 
     # ---- preemption ---------------------------------------------------------------------------
     def preempt(self, branch: BranchRef) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..errors import BranchExists, BranchPruned, OutOfBlocks, UnknownBranch
+from ..wording import counted
 from .allocator import BlockAllocator
 
 
@@ -121,7 +122,7 @@ class Branch:
 
     def __repr__(self) -> str:
         alive = self._tree.branches.get(self.name) is self
-        return f"Branch({self.name!r}, {self.node.end:,} tokens{'' if alive else ', pruned'})"
+        return f"Branch({self.name!r}, {counted(self.node.end, 'token')}{'' if alive else ', pruned'})"
 
 
 @dataclass(slots=True)
