@@ -706,8 +706,10 @@ class Engine:
         limit = self.config.max_position_embeddings
         if have + adding > limit:
             room = f"add at most {limit - have:,}" if have < limit else "it is full; fork from an earlier point"
+            why = (f" (its sliding window: past it the model would forget the oldest tokens, which dendrite-nb "
+                   f"does not do)" if self.config.sliding_window else "")
             raise ContextOverflow(f"branch {name!r} needs {have + adding:,} tokens ({have:,} + {adding:,}), "
-                                  f"the model allows {limit:,}: {room}.")
+                                  f"the model allows {limit:,}{why}: {room}.")
 
     # ---- preemption ---------------------------------------------------------------------------
     def preempt(self, branch: BranchRef) -> int:

@@ -179,9 +179,21 @@ def test_wrong_shape_is_named(checkpoint, tmp_path):
 def test_unsupported_model_type(checkpoint, tmp_path):
     folder = copy_checkpoint(checkpoint(), tmp_path / "ck")
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "mistral"
+    config["model_type"] = "gemma"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match="'mistral' is not supported.*llama, qwen3"):
+    with pytest.raises(UnsupportedModel, match="'gemma' is not supported.*llama, mistral, qwen2, qwen3"):
+        Engine.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("raw", [
+    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096},
+    {"model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"]},
+])
+def test_sliding_window_layers_are_refused(checkpoint, tmp_path, raw):
+    folder = copy_checkpoint(checkpoint("qwen2-gqa-tied"), tmp_path / "ck")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **raw}))
+    with pytest.raises(UnsupportedModel, match="every layer must attend to the whole context"):
         Engine.from_pretrained(folder)
 
 

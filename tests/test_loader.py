@@ -1,11 +1,14 @@
-"""Loading checkpoints: sharded equals single-file, transformers 4.x config spelling, tied heads, chat template."""
+"""Loading checkpoints: sharded equals single-file, transformers 4.x config spelling, tied heads, chat template,
+Qwen2's biases and Mistral's sliding window."""
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dendrite_nb import Engine
+from dendrite_nb import ContextOverflow, Engine
+from dendrite_nb.model.config import ModelConfig
 from dendrite_nb.testing import write_tiny_checkpoint
 
 PROMPT = "Sharded or not, the same numbers"
@@ -80,3 +83,28 @@ def test_real_shapes_parse_with_their_published_numbers():
     small = Engine.from_random(REAL_SHAPES["llama-3.2-1b"].hf_config(num_hidden_layers=1, vocab_size=512,
                                                                       intermediate_size=256), num_blocks=8)
     assert len(small.generate([small.new_branch("x", [1, 2, 3])], 2)[0]) == 2
+
+
+def test_qwen2_biases_q_k_and_v_but_not_o_and_llama_biases_all_four():
+    from dendrite_nb.testing import TINY_SHAPES
+
+    qwen2 = ModelConfig.from_hf(TINY_SHAPES["qwen2-gqa-tied"].hf_config(vocab_size=512))
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.sliding_window) == (True, False, None)  # its window is off
+    llama = ModelConfig.from_hf(TINY_SHAPES["llama-biased"].hf_config(vocab_size=512))
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias) == (True, True, True)
+
+
+def test_a_mistral_window_shorter_than_its_positions_caps_the_context(checkpoint, tmp_path):
+    folder = shutil.copytree(checkpoint("mistral-gqa-untied"), tmp_path / "windowed")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 24}))
+    eng = Engine.from_pretrained(folder, num_blocks=32)
+    assert eng.config.max_position_embeddings == eng.config.sliding_window == 24
+    branch = eng.new_branch("a", PROMPT)
+    # Inside the window the whole-context attention is exactly the model's: same logits as without a window.
+    full = Engine.from_pretrained(checkpoint("mistral-gqa-untied"), num_blocks=32)
+    assert torch.equal(eng.next_logits([branch]), full.next_logits([full.new_branch("a", PROMPT)]))
+    before = eng.tree(), eng.num_free_blocks
+    with pytest.raises(ContextOverflow, match="the model allows 24 \\(its sliding window"):
+        eng.generate([branch], 24)
+    assert (eng.tree(), eng.num_free_blocks) == before

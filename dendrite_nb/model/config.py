@@ -6,13 +6,15 @@ from typing import Any
 
 from ..errors import UnsupportedModel
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Checkpoint families by model_type, for messages.
+_FAMILY_NAMES = "Llama 3, Mistral, Qwen2 / Qwen2.5 and Qwen3"
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model_type: str  # "llama" or "qwen3"
+    model_type: str  # one of SUPPORTED_MODEL_TYPES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -23,13 +25,17 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None  # llama3 scaling parameters, or None for plain RoPE
-    max_position_embeddings: int
+    max_position_embeddings: int  # the longest context this engine runs: a sliding window caps it (below)
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool  # Llama's attention_bias, and always in Qwen2
+    o_bias: bool  # Llama's attention_bias; never in Qwen2
     mlp_bias: bool
     qk_norm: bool  # Qwen3 normalises q and k per head before RoPE
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Mistral's sliding window, when it is shorter than the model's positions. Inside the window, attention
+    # over the whole context is exactly the model's, so max_position_embeddings stops there.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -37,12 +43,13 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
                 f"model_type {model_type!r} is not supported; dendrite-nb runs {', '.join(SUPPORTED_MODEL_TYPES)} "
-                f"(Llama 3 and Qwen3 checkpoints)."
+                f"({_FAMILY_NAMES} checkpoints)."
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported; only silu (SwiGLU) is.")
-        if raw.get("use_sliding_window"):
-            raise UnsupportedModel("sliding-window attention (use_sliding_window=true) is not supported.")
+        if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
+            raise UnsupportedModel("sliding-window attention in some layers (use_sliding_window=true) is not "
+                                   "supported; every layer must attend to the whole context.")
         # transformers 5 writes `rope_parameters`; 4.x checkpoints carry `rope_theta` + `rope_scaling`.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -52,6 +59,12 @@ class ModelConfig:
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        max_positions = raw.get("max_position_embeddings", 2048)
+        # Only Mistral applies `sliding_window` to every layer; Qwen2 configs carry one that is off
+        # unless use_sliding_window (refused above).
+        window = raw.get("sliding_window") if model_type == "mistral" else None
+        window = window if window is not None and window < max_positions else None
+        attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -64,13 +77,15 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type == "llama3" else None,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=window or max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=window,
         )
 
     @property

@@ -57,11 +57,11 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        bias = config.attention_bias
+        bias = config.qkv_bias
         self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)

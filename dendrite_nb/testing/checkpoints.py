@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel, Qwen3ForCausalLM
+from transformers import (AutoTokenizer, LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, Qwen2ForCausalLM,
+                          Qwen3ForCausalLM)
 
 from dendrite_nb.errors import CheckpointError
 from dendrite_nb.paths import user_path
@@ -17,6 +18,8 @@ from dendrite_nb.testing.tokenizer import write_bpe_tokenizer
 
 _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
 }
 
@@ -28,8 +31,10 @@ _INITIALIZER_RANGE = 0.4
 # Norm weights start at exactly 1.0, so a kernel that skipped them would still give
 # the right answer. Jittering them makes that kind of bug show up in tests.
 _NORM_JITTER = 0.1
+# Biases start at exactly 0 for the same reason; these shift every product that has one.
+_BIAS_STD = 0.2
 
-_EOS_TOKEN = {"llama": "<|end_of_text|>", "qwen3": "<|endoftext|>"}
+_EOS_TOKEN = {"llama": "<|end_of_text|>", "mistral": "</s>", "qwen2": "<|endoftext|>", "qwen3": "<|endoftext|>"}
 
 # Bump the version whenever the demo model's contents change, so stale caches are ignored.
 _DEMO_NAME = "demo-llama-v1"
@@ -85,6 +90,8 @@ def write_tiny_checkpoint(
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(_NORM_JITTER * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.normal_(0.0, _BIAS_STD)
 
     # transformers 5 always writes safetensors (safe_serialization is gone). An int
     # max_shard_size is in bytes, and tied lm_head weights are left out as upstream does.

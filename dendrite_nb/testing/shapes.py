@@ -1,8 +1,8 @@
 """Architecture shapes for locally built checkpoints.
 
 The tiny shapes are deliberately varied rather than minimal. Between them they cover
-GQA and MHA, tied and untied embeddings, llama3 rope scaling and plain rope, and Qwen3's
-head_dim * heads != hidden. An engine that hard-codes any one of those assumptions fails
+GQA and MHA, tied and untied embeddings, llama3 rope scaling and plain rope, Qwen3's
+head_dim * heads != hidden, Qwen2's q/k/v biases (and none on o) and Llama's biases on all four. An engine that hard-codes any one of those assumptions fails
 at least one shape. The real shapes hold the published numbers, so benchmarks can build
 random-weight models at true size without downloading anything. Their token ids match
 the published config.json files.
@@ -11,9 +11,10 @@ the published config.json files.
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen3": Qwen3Config}
+_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,46 @@ TINY_SHAPES: dict[str, CheckpointShape] = {
         "head_dim": 32,
         "tie_word_embeddings": True,
         "rope_parameters": _default_rope(1000000.0),
+        "max_position_embeddings": 2048,
+    }),
+    # Qwen2 / Qwen2.5: biases on q, k and v only.
+    "qwen2-gqa-tied": CheckpointShape("qwen2", {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": _default_rope(1000000.0),
+        "max_position_embeddings": 2048,
+        "use_sliding_window": False,
+        "sliding_window": 2048,  # as real Qwen2 configs carry one, unused without use_sliding_window
+    }),
+    # Mistral, and a Llama with attention_bias (all four attention products carry one); no tiny shape
+    # has a window below its positions, which test_loader covers.
+    "mistral-gqa-untied": CheckpointShape("mistral", {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "tie_word_embeddings": False,
+        "rope_parameters": _default_rope(1000000.0),
+        "max_position_embeddings": 2048,
+        "sliding_window": None,
+    }),
+    "llama-biased": CheckpointShape("llama", {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "rope_parameters": _default_rope(10000.0),
         "max_position_embeddings": 2048,
     }),
     "qwen3-mha-untied": CheckpointShape("qwen3", {

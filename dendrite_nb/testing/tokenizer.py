@@ -1,4 +1,4 @@
-"""Train a small byte-level BPE tokenizer shaped like a real Llama 3 or Qwen3 tokenizer.
+"""Train a small byte-level BPE tokenizer shaped like a real Llama 3, Mistral or Qwen tokenizer.
 
 Real tokenizers cannot be downloaded here, so we train one on `CORPUS`. The specials,
 the BOS behaviour and the chat template follow each family's published tokenizer, so code
@@ -29,6 +29,15 @@ _QWEN3_CHAT_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Mistral's instruct format has no system role and no end-of-turn token of its own: </s> ends a turn.
+_MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]"
+    "{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
 )
 
 
@@ -63,7 +72,16 @@ _FAMILIES: dict[str, _Family] = {
         pad="<|endoftext|>",
         chat_template=_QWEN3_CHAT_TEMPLATE,
     ),
+    "mistral": _Family(
+        specials=("<unk>", "<s>", "</s>", "[INST]", "[/INST]"),
+        bos="<s>",
+        eos="</s>",
+        pad=None,
+        chat_template=_MISTRAL_CHAT_TEMPLATE,
+    ),
 }
+# Qwen2 and Qwen2.5 ship the tokenizer that Qwen3 kept.
+_FAMILIES["qwen2"] = _FAMILIES["qwen3"]
 
 
 def _train(family: _Family, vocab_size: int) -> Tokenizer:
