@@ -108,3 +108,15 @@ def test_a_mistral_window_shorter_than_its_positions_caps_the_context(checkpoint
     with pytest.raises(ContextOverflow, match="the model allows 24 \\(its sliding window"):
         eng.generate([branch], 24)
     assert (eng.tree(), eng.num_free_blocks) == before
+
+
+def test_a_big_checkpoint_shows_a_progress_bar_and_a_small_one_loads_silently(checkpoint, monkeypatch, capfd):
+    import dendrite_nb.model.loader as loader
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    logits_of(checkpoint())
+    assert "loading" not in capfd.readouterr().err
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)  # the tiny checkpoint now counts as big
+    logits_of(checkpoint())
+    err = capfd.readouterr().err
+    assert f"loading {checkpoint().name}" in err and "tensors" in err, err

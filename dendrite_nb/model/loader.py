@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from tqdm.std import tqdm  # the text bar: dendrite_nb imports no notebook code
 
 from ..errors import CheckpointError
 from .config import ModelConfig
@@ -16,6 +17,9 @@ SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 # Older exports save the RoPE table; it is derived state, never a weight.
 _DERIVED = ".rotary_emb.inv_freq"
+# Checkpoints at least this big show a progress bar while they load (an 8B model takes tens of seconds
+# from a cold disk); the tiny test and demo models load silently. TQDM_DISABLE=1 turns the bar off.
+PROGRESS_MIN_BYTES = 256 * 2**20
 
 
 def read_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
@@ -80,17 +84,22 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
             parts.append(f"unexpected tensor(s) {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
         raise CheckpointError(f"weights in {str(folder)!r} do not match config.json ({config.describe()}): "
                               + "; ".join(parts) + ".")
-    for file, names in files.items():
-        with safe_open(folder / file, framework="pt") as f:
-            for name in names:
-                if name.endswith(_DERIVED) or (tied_head and name == "lm_head.weight"):
-                    continue
-                tensor, param = f.get_tensor(name), params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise CheckpointError(f"tensor {name} in {file} has shape {tuple(tensor.shape)}, "
-                                          f"config.json implies {tuple(param.shape)}.")
-                with torch.no_grad():
-                    param.copy_(tensor)
+    file_bytes = sum((folder / file).stat().st_size for file in files)
+    # `disable` is passed only to silence small loads, so that TQDM_DISABLE still governs the big ones.
+    quiet = {"disable": True} if file_bytes < PROGRESS_MIN_BYTES else {}
+    with tqdm(total=len(params), desc=f"loading {folder.name}", unit=" tensors", leave=False, **quiet) as bar:
+        for file, names in files.items():
+            with safe_open(folder / file, framework="pt") as f:
+                for name in names:
+                    if name.endswith(_DERIVED) or (tied_head and name == "lm_head.weight"):
+                        continue
+                    tensor, param = f.get_tensor(name), params[name]
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise CheckpointError(f"tensor {name} in {file} has shape {tuple(tensor.shape)}, "
+                                              f"config.json implies {tuple(param.shape)}.")
+                    with torch.no_grad():
+                        param.copy_(tensor)
+                    bar.update()
     return model
 
 
