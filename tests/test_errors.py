@@ -181,19 +181,24 @@ def test_unsupported_model_type(checkpoint, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "gemma"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match="'gemma' is not supported.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModel, match="'gemma' is not supported.*llama, mistral, phi3, qwen2, qwen3"):
         Engine.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("raw", [
-    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096},
-    {"model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"]},
+@pytest.mark.parametrize("shape, raw, message", [
+    ("qwen2-gqa-tied", {"use_sliding_window": True, "sliding_window": 4096}, "every layer must attend to the whole"),
+    ("qwen2-gqa-tied", {"layer_types": ["full_attention", "sliding_attention"]}, "every layer must attend"),
+    ("phi3-gqa-untied", {"partial_rotary_factor": 0.75, "rope_parameters": None}, "partial_rotary_factor 0.75"),
+    ("phi3-gqa-untied", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor 0.75"),
+    ("phi3-gqa-untied", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                             "long_factor": [2.0] * 8}}, "rope type 'longrope' is not supported"),
 ])
-def test_sliding_window_layers_are_refused(checkpoint, tmp_path, raw):
-    folder = copy_checkpoint(checkpoint("qwen2-gqa-tied"), tmp_path / "ck")
+def test_variants_the_engine_cannot_run_exactly_are_refused(checkpoint, tmp_path, shape, raw, message):
+    folder = copy_checkpoint(checkpoint(shape), tmp_path / "ck")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **raw}))
-    with pytest.raises(UnsupportedModel, match="every layer must attend to the whole context"):
+    with pytest.raises(UnsupportedModel, match=message):
         Engine.from_pretrained(folder)
 
 

@@ -92,6 +92,24 @@ def test_qwen2_biases_q_k_and_v_but_not_o_and_llama_biases_all_four():
     assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.sliding_window) == (True, False, None)  # its window is off
     llama = ModelConfig.from_hf(TINY_SHAPES["llama-biased"].hf_config(vocab_size=512))
     assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias) == (True, True, True)
+    # Phi-3-mini-4k's window applies to every layer, as Mistral's does; Qwen2's is off without use_sliding_window.
+    phi3 = ModelConfig.from_hf(TINY_SHAPES["phi3-gqa-untied"].hf_config(
+        vocab_size=512, max_position_embeddings=4096, sliding_window=2047))
+    assert (phi3.max_position_embeddings, phi3.sliding_window) == (2047, 2047)
+
+
+def test_phi3_fused_tensors_on_disk_fill_the_separate_projections(checkpoint):
+    from safetensors import safe_open
+
+    folder = checkpoint("phi3-gqa-untied")
+    eng = Engine.from_pretrained(folder, num_blocks=8)
+    attention, mlp = eng.model.model.layers[0].self_attn, eng.model.model.layers[0].mlp
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        qkv = f.get_tensor("model.layers.0.self_attn.qkv_proj.weight")
+        gate_up = f.get_tensor("model.layers.0.mlp.gate_up_proj.weight")
+    assert torch.equal(torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]), qkv)
+    assert torch.equal(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up)
+    assert attention.k_proj.weight.shape[0] < attention.q_proj.weight.shape[0]  # GQA: the split is not even
 
 
 def test_a_mistral_window_shorter_than_its_positions_caps_the_context(checkpoint, tmp_path):

@@ -6,9 +6,11 @@ from typing import Any
 
 from ..errors import UnsupportedModel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 # Checkpoint families by model_type, for messages.
-_FAMILY_NAMES = "Llama 3, Mistral, Qwen2 / Qwen2.5 and Qwen3"
+_FAMILY_NAMES = "Llama 3, Mistral, Phi-3 / Phi-4, Qwen2 / Qwen2.5 and Qwen3"
+# Families whose `sliding_window` applies to every layer (Qwen2 carries one that is off by default).
+_WINDOWED_EVERYWHERE = ("mistral", "phi3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -33,7 +35,7 @@ class ModelConfig:
     qk_norm: bool  # Qwen3 normalises q and k per head before RoPE
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    # Mistral's sliding window, when it is shorter than the model's positions. Inside the window, attention
+    # Mistral's or Phi-3's sliding window, when it is shorter than the model's positions. Inside it, attention
     # over the whole context is exactly the model's, so max_position_embeddings stops there.
     sliding_window: int | None = None
 
@@ -56,13 +58,15 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModel(f"rope type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}.")
+        rotary_fraction = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
+        if rotary_fraction != 1.0:  # Phi-4-mini rotates 3/4 of each head
+            raise UnsupportedModel(f"partial_rotary_factor {rotary_fraction} is not supported; RoPE must rotate "
+                                   f"whole heads (1.0).")
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_positions = raw.get("max_position_embeddings", 2048)
-        # Only Mistral applies `sliding_window` to every layer; Qwen2 configs carry one that is off
-        # unless use_sliding_window (refused above).
-        window = raw.get("sliding_window") if model_type == "mistral" else None
+        window = raw.get("sliding_window") if model_type in _WINDOWED_EVERYWHERE else None
         window = window if window is not None and window < max_positions else None
         attention_bias = bool(raw.get("attention_bias", False))
         return cls(

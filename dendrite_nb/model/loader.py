@@ -20,6 +20,19 @@ _DERIVED = ".rotary_emb.inv_freq"
 # Checkpoints at least this big show a progress bar while they load (an 8B model takes tens of seconds
 # from a cold disk); the tiny test and demo models load silently. TQDM_DISABLE=1 turns the bar off.
 PROGRESS_MIN_BYTES = 256 * 2**20
+# Phi-3 stores q/k/v and gate/up as one tensor each; the model keeps HF's separate names (and fuses them itself).
+_FUSED_ON_DISK = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                "self_attn.v_proj.weight"),
+                  "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def _model_names(name: str) -> tuple[str, ...]:
+    """The model's parameter names that a checkpoint tensor holds: itself, or the parts of a fused one."""
+    for fused, parts in _FUSED_ON_DISK.items():
+        if name.endswith(fused):
+            prefix = name[: -len(fused)]
+            return tuple(prefix + part for part in parts)
+    return (name,)
 
 
 def read_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
@@ -72,7 +85,8 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
     model = _empty_model(config, device, dtype)
     params = dict(model.named_parameters())  # tied weights appear once, under model.embed_tokens
     files = weight_files(folder)
-    on_disk = {name for names in files.values() for name in names if not name.endswith(_DERIVED)}
+    on_disk = {part for names in files.values() for name in names if not name.endswith(_DERIVED)
+               for part in _model_names(name)}
     tied_head = config.tie_word_embeddings and "lm_head.weight" in on_disk
     unexpected = sorted(on_disk - params.keys() - ({"lm_head.weight"} if tied_head else set()))
     missing = sorted(params.keys() - on_disk)
@@ -93,13 +107,15 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
                 for name in names:
                     if name.endswith(_DERIVED) or (tied_head and name == "lm_head.weight"):
                         continue
-                    tensor, param = f.get_tensor(name), params[name]
-                    if tuple(tensor.shape) != tuple(param.shape):
+                    tensor, parts = f.get_tensor(name), [params[part] for part in _model_names(name)]
+                    implied = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+                    if tuple(tensor.shape) != implied:
                         raise CheckpointError(f"tensor {name} in {file} has shape {tuple(tensor.shape)}, "
-                                              f"config.json implies {tuple(param.shape)}.")
+                                              f"config.json implies {implied}.")
                     with torch.no_grad():
-                        param.copy_(tensor)
-                    bar.update()
+                        for param, piece in zip(parts, tensor.split([p.shape[0] for p in parts])):
+                            param.copy_(piece)
+                            bar.update()
     return model
 
 

@@ -2,8 +2,8 @@
 
 Nothing can be downloaded in this project's environments, so there is no Hugging Face hub
 to pull real models from. This package trains a small byte-level BPE tokenizer on a built-in
-corpus and writes random-weight Llama, Mistral, Qwen2 and Qwen3 checkpoints (config.json, tokenizer files,
-safetensors, optionally sharded) in the same layout as published models. The engine and
+corpus and writes random-weight Llama, Mistral, Phi-3, Qwen2 and Qwen3 checkpoints (config.json,
+tokenizer files, safetensors, optionally sharded) in the same layout as published models. The engine and
 the transformers reference can then load the same folder and be compared token for token.
 """
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (AutoTokenizer, LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, Qwen2ForCausalLM,
-                          Qwen3ForCausalLM)
+from transformers import (AutoTokenizer, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, PreTrainedModel,
+                          Qwen2ForCausalLM, Qwen3ForCausalLM)
 
 from dendrite_nb.errors import CheckpointError
 from dendrite_nb.paths import user_path
@@ -19,6 +19,7 @@ from dendrite_nb.testing.tokenizer import write_bpe_tokenizer
 _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
 }
@@ -34,7 +35,7 @@ _NORM_JITTER = 0.1
 # Biases start at exactly 0 for the same reason; these shift every product that has one.
 _BIAS_STD = 0.2
 
-_EOS_TOKEN = {"llama": "<|end_of_text|>", "mistral": "</s>", "qwen2": "<|endoftext|>", "qwen3": "<|endoftext|>"}
+_EOS_TOKEN = {"llama": "<|end_of_text|>", "mistral": "</s>", "phi3": "<|endoftext|>", "qwen2": "<|endoftext|>", "qwen3": "<|endoftext|>"}
 
 # Bump the version whenever the demo model's contents change, so stale caches are ignored.
 _DEMO_NAME = "demo-llama-v1"

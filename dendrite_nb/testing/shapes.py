@@ -2,7 +2,8 @@
 
 The tiny shapes are deliberately varied rather than minimal. Between them they cover
 GQA and MHA, tied and untied embeddings, llama3 rope scaling and plain rope, Qwen3's
-head_dim * heads != hidden, Qwen2's q/k/v biases (and none on o) and Llama's biases on all four. An engine that hard-codes any one of those assumptions fails
+head_dim * heads != hidden, Qwen2's q/k/v biases (and none on o), Llama's biases on all four, and Phi-3's fused
+q/k/v and gate/up tensors on disk. An engine that hard-codes any one of those assumptions fails
 at least one shape. The real shapes hold the published numbers, so benchmarks can build
 random-weight models at true size without downloading anything. Their token ids match
 the published config.json files.
@@ -11,10 +12,10 @@ the published config.json files.
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen3Config
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
-    "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    "llama": LlamaConfig, "mistral": MistralConfig, "phi3": Phi3Config, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,18 @@ TINY_SHAPES: dict[str, CheckpointShape] = {
         "head_dim": 16,
         "tie_word_embeddings": False,
         "rope_parameters": _default_rope(1000000.0),
+        "max_position_embeddings": 2048,
+        "sliding_window": None,
+    }),
+    # Phi-3 / Phi-4: q/k/v in one tensor and gate/up in another, on disk.
+    "phi3-gqa-untied": CheckpointShape("phi3", {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "rope_parameters": _default_rope(10000.0),
         "max_position_embeddings": 2048,
         "sliding_window": None,
     }),

@@ -1,4 +1,4 @@
-"""Train a small byte-level BPE tokenizer shaped like a real Llama 3, Mistral or Qwen tokenizer.
+"""Train a small byte-level BPE tokenizer shaped like a real Llama 3, Mistral, Phi-3 or Qwen tokenizer.
 
 Real tokenizers cannot be downloaded here, so we train one on `CORPUS`. The specials,
 the BOS behaviour and the chat template follow each family's published tokenizer, so code
@@ -38,6 +38,13 @@ _MISTRAL_CHAT_TEMPLATE = (
     "{% if message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]"
     "{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}"
     "{% endfor %}"
+)
+
+_PHI3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
 
@@ -80,6 +87,13 @@ _FAMILIES: dict[str, _Family] = {
         chat_template=_MISTRAL_CHAT_TEMPLATE,
     ),
 }
+_FAMILIES["phi3"] = _Family(
+    specials=("<unk>", "<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+    bos="<s>",
+    eos="<|endoftext|>",
+    pad="<|endoftext|>",
+    chat_template=_PHI3_CHAT_TEMPLATE,
+)
 # Qwen2 and Qwen2.5 ship the tokenizer that Qwen3 kept.
 _FAMILIES["qwen2"] = _FAMILIES["qwen3"]
 
