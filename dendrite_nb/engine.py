@@ -432,7 +432,7 @@ class Engine:
     def generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None,
                  constraint: dict[str, Any] | Constraint | None = None,
-                 max_batch: int | None = None) -> list[list[int]]:
+                 max_batch: int | None = None, logprobs: bool = False) -> list[list[int]]:
         """Decode all given leaves together, one batched forward per step. Returns the new tokens per branch.
 
         With max_batch, each step decodes at most that many branches: the highest-priority ones still
@@ -448,6 +448,9 @@ class Engine:
         complete (its end-of-sequence token is then the only one allowed), so its text parses.
         Ctrl-C stops at the end of the current step and raises GenerationInterrupted (a
         KeyboardInterrupt) carrying the tokens of the completed steps, which the branches keep.
+        With logprobs=True, the model's log-probability of each sampled token is kept with it (read them
+        with `logprobs(branch)`): log_softmax of the raw logits, before temperature, top-k/p, the repetition
+        penalty or a constraint's mask, as transformers' forward gives it.
         """
         sampling = sampling if sampling is not None else SamplingParams()
         if constraint is not None and not isinstance(constraint, Constraint):
@@ -455,6 +458,8 @@ class Engine:
         resolved = self.check_generate(branches, max_new_tokens, sampling, constraint)
         if max_batch is not None and not is_count(max_batch):
             raise ValueError(f"max_batch must be a positive int (branches per step), got {max_batch!r}.")
+        if not isinstance(logprobs, bool):
+            raise ValueError(f"logprobs must be True or False, got {logprobs!r}.")
         if constraint is not None:
             self._attach(resolved, constraint)
         # Fixed for the whole call (nothing can constrain a branch mid-call): unconstrained calls skip it all.
@@ -482,14 +487,18 @@ class Engine:
                     # Planned while the GPU still computes these logits (and the forward before them).
                     planned = self._prepare_decode([resolved[i] for i in active])
                     try:
+                        # Before the mask, which writes -inf in place; the sampled token's own logit it leaves.
+                        normaliser = torch.logsumexp(logits, dim=-1) if logprobs else None
                         if masks is not None:
                             self._guidance.apply(logits, masks[0], masks[1].result())
                         sampled = sample(logits, sampling, [generators[i] for i in active], histories)
+                        picked = (logits.gather(1, sampled.unsqueeze(1)).squeeze(1) - normaliser
+                                  if logprobs else None)
                     except BaseException:
                         self._undo(planned.records)
                         raise
                     # The forward starts on the device's tokens; the host reads them while it runs (undone on failure).
-                    drawn = self._finish_decode(planned, sampled)
+                    drawn = self._finish_decode(planned, sampled, picked)
                     # Constrained matchers advance now, so the next step's masks fill during the forward.
                     if constrained:
                         self._advance_matchers([resolved[i] for i in active], drawn)
@@ -856,19 +865,26 @@ class Engine:
             self._undo(records)
             raise
 
-    def _finish_decode(self, planned: PlannedForward, tokens: torch.Tensor) -> list[int]:
+    def _finish_decode(self, planned: PlannedForward, tokens: torch.Tensor,
+                       logprobs: torch.Tensor | None = None) -> list[int]:
         """Run the step's forward on the sampled tokens as they lie on the device, read them back (a wait
-        for the sampler only: the forward keeps running) and put them in place of the pending ones.
-        Returns the tokens. On failure the step is undone."""
+        for the sampler only: the forward keeps running) and put them in place of the pending ones, with
+        their log-probabilities when given. Returns the tokens. On failure the step is undone."""
         try:
-            read = self._runner.read_back(tokens)
+            read = self._runner.read_back(tokens) if logprobs is None else self._runner.read_back(tokens, logprobs)
             self._run_forward(planned, tokens)
-            drawn = read()
+            drawn, *kept = read()
         except BaseException:
             self._undo(planned.records)
             raise
         for record, token in zip(planned.records, drawn):
             record.node.tokens[-1] = token
+        if kept:
+            for record, logprob in zip(planned.records, kept[0]):
+                node = record.node
+                if node.logprobs is None:
+                    node.logprobs = {}
+                node.logprobs[len(node.tokens) - 1] = logprob
         return drawn
 
     def _undo(self, records: list[AppendRecord]) -> None:
@@ -886,6 +902,12 @@ class Engine:
 
     def branch(self, name: str) -> Branch:
         return self.branch_tree.resolve(name)
+
+    def logprobs(self, branch: BranchRef) -> list[float | None]:
+        """One entry per token of the branch (as `branch.tokens`): the model's log-probability of a token
+        sampled by `generate(..., logprobs=True)`, None for prompt and appended tokens and tokens sampled
+        without it. Forks share their parent's entries, as they share its tokens."""
+        return self.branch_tree.path_logprobs(self.branch_tree.resolve(branch).node)
 
     def tree(self) -> dict[str, Any]:
         """Plain-data snapshot of nodes (tokens, blocks, children, branch names) and branches."""

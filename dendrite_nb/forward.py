@@ -38,7 +38,9 @@ class ForwardRunner:
         # the next step's LM head reads the tensor as it is when it asks for exactly those rows, in order.
         self.last_hidden: torch.Tensor | None = None
         self.last_rows: list[torch.Tensor] = []
-        self._pinned: torch.Tensor | None = None  # host landing place of sampled tokens (read_back)
+        # Host landing places of what a step reads back (read_back): the sampled tokens, and their
+        # log-probabilities when asked for, by position in the call.
+        self._pinned: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None
 
     def plan(self, tree: BranchTree, records: list[AppendRecord], q_lens: list[int]) -> PlannedForward:
@@ -91,22 +93,28 @@ class ForwardRunner:
             record.node.last_hidden = row
         self.last_hidden, self.last_rows = hidden, rows
 
-    def read_back(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
-        """Start copying `tokens` (on the device) to the host; the returned function waits for that copy
-        alone, so work queued after this call (the step's forward) keeps running while the host reads."""
-        if tokens.device.type != "cuda":
-            return tokens.tolist
-        if self._pinned is None or len(self._pinned) < len(tokens):
-            self._pinned = torch.empty(max(len(tokens), 256), dtype=torch.long, pin_memory=True)
+    def read_back(self, *tensors: torch.Tensor) -> Callable[[], list[list]]:
+        """Start copying the 1-D `tensors` (on the device) to the host; the returned function waits for that
+        copy alone, so work queued after this call (the step's forward) keeps running while the host reads."""
+        if tensors[0].device.type != "cuda":
+            return lambda: [tensor.tolist() for tensor in tensors]
+        if self._copied is None:
             self._copied = torch.cuda.Event()
-        host = self._pinned[: len(tokens)]
-        host.copy_(tokens, non_blocking=True)
+        hosts = []
+        for slot, tensor in enumerate(tensors):
+            pinned = self._pinned.get((slot, tensor.dtype))
+            if pinned is None or len(pinned) < len(tensor):
+                pinned = torch.empty(max(len(tensor), 256), dtype=tensor.dtype, pin_memory=True)
+                self._pinned[(slot, tensor.dtype)] = pinned
+            host = pinned[: len(tensor)]
+            host.copy_(tensor, non_blocking=True)
+            hosts.append(host)
         self._copied.record()
         copied = self._copied
 
-        def wait() -> list[int]:
+        def wait() -> list[list]:
             copied.synchronize()
-            return host.tolist()
+            return [host.tolist() for host in hosts]
         return wait
 
     def hidden_of(self, nodes: list) -> torch.Tensor:

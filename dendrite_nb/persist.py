@@ -103,7 +103,9 @@ def save(engine: Engine, path: str | Path) -> Path:
         "num_blocks": engine.pool.num_blocks,
         "nodes": [{"id": node.id, "parent": -1 if node.parent is tree.root else index[id(node.parent)],
                    "start": node.start, "tokens": node.tokens, "blocks": [compact[b] for b in node.blocks],
-                   "preempted": node.swapped_blocks} for node in nodes],
+                   "preempted": node.swapped_blocks,
+                   # JSON keys are strings; the index in the node's tokens.
+                   "logprobs": {str(i): lp for i, lp in (node.logprobs or {}).items()}} for node in nodes],
         "hidden_nodes": hidden_nodes,
         "branches": branches,
         "tensors": {name: _tensor_sha(tensor) for name, tensor in tensors.items()},
@@ -226,7 +228,8 @@ def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.
     for saved in manifest["nodes"]:
         parent = tree.root if saved["parent"] < 0 else nodes[saved["parent"]]
         node = Node(id=saved["id"], parent=parent, start=saved["start"], tokens=list(saved["tokens"]),
-                    blocks=[blocks[b] for b in saved["blocks"]])
+                    blocks=[blocks[b] for b in saved["blocks"]],
+                    logprobs={int(i): lp for i, lp in saved.get("logprobs", {}).items()} or None)
         if saved["preempted"]:
             node.swapped_blocks = saved["preempted"]
             number = len(nodes)

@@ -81,3 +81,19 @@ def test_cuda_constrained_outputs_parse_with_masks_applied_on_the_device(checkpo
     kids = eng.fork(eng.new_branch("ask", "Which way?"), 8)
     for tokens in eng.generate(kids, 50, SamplingParams(temperature=1.0), constraint={"choices": ["left", "right"]}):
         assert eng.tokenizer.decode(tokens, skip_special_tokens=True) in ("left", "right")
+
+
+def test_cuda_logprobs_match_transformers_on_cpu(checkpoint, hf_model):
+    """The sampled tokens' log-probabilities ride back with the tokens (one copy, the forward keeps running),
+    also under the race sampler (temperature only) and a CUDA-graph decode step."""
+    eng = Engine.from_pretrained(checkpoint(), device="cuda", num_blocks=128, block_size=16)
+    kids = eng.fork(eng.new_branch("root", PROMPT), 4)
+    eng.generate(kids, 12, SamplingParams(temperature=0.8, ignore_eos=True), logprobs=True)
+    eng.generate(kids, 4, SAMPLED, logprobs=True)
+    for kid in kids:
+        tokens, kept = kid.tokens, eng.logprobs(kid)
+        with torch.no_grad():
+            reference = torch.log_softmax(hf_model("llama-gqa-untied")(torch.tensor([tokens])).logits[0], -1)
+        scored = [(p, lp) for p, lp in enumerate(kept) if lp is not None]
+        assert len(scored) == 16
+        assert max(abs(lp - reference[p - 1, tokens[p]].item()) for p, lp in scored) < 1e-3  # the device bar above

@@ -56,6 +56,9 @@ class Node:
     # A leaf's block table with the blocks it was built from: a leaf grows in place, and a decode step asks for
     # every leaf's table, so it is rebuilt only when the leaf's blocks change (once per block_size tokens).
     leaf_table: tuple[list[int], list[int]] | None = None
+    # The model's log-probability of each token sampled by `generate(..., logprobs=True)`, by its index in
+    # `tokens`; prompts, appends and tokens generated without logprobs have none.
+    logprobs: dict[int, float] | None = None
 
     @property
     def end(self) -> int:
@@ -286,6 +289,8 @@ class BranchTree:
         else:
             dropped = node.blocks[record.old_num_blocks:]
             del node.tokens[record.old_num_tokens:]
+            if node.logprobs:
+                node.logprobs = {i: lp for i, lp in node.logprobs.items() if i < record.old_num_tokens}
             del node.blocks[record.old_num_blocks:]
             node.last_hidden = record.old_last_hidden
             self.allocator.decref(dropped)
@@ -343,6 +348,18 @@ class BranchTree:
                 node.path_cache[key] = acc
         return acc
 
+    def path_logprobs(self, node: Node) -> list[float | None]:
+        """The sampled log-probability of each token from the root to `node` (None where none was kept)."""
+        chain = []
+        while node is not self.root:
+            chain.append(node)
+            node = node.parent
+        out: list[float | None] = []
+        for node in reversed(chain):
+            kept = node.logprobs or {}
+            out.extend(kept.get(i) for i in range(len(node.tokens)))
+        return out
+
     def path_tokens(self, node: Node) -> list[int]:
         """All tokens from the root to the end of `node`. Do not mutate the result."""
         return self._path(node, "tokens")
@@ -384,6 +401,8 @@ class BranchTree:
                 problems.append(f"node {node.id} starts at {node.start}, its parent ends at {node.parent.end}")
             if not node.branch_names and not node.children:
                 problems.append(f"node {node.id} is unreachable but was not collected")
+            if node.logprobs and not all(0 <= i < len(node.tokens) for i in node.logprobs):
+                problems.append(f"node {node.id} holds log-probabilities past its {len(node.tokens)} tokens")
         for name, branch in self.branches.items():
             if name not in branch.node.branch_names or (branch.node is not self.root and branch.node.parent is None):
                 problems.append(f"branch {name!r} points at a detached node")

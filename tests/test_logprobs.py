@@ -1,0 +1,79 @@
+"""generate(..., logprobs=True): each sampled token keeps the model's own log-probability, equal to
+transformers' log_softmax within 1e-4; forks share their parent's; saving keeps them; bad input changes nothing."""
+import pytest
+import torch
+
+from dendrite_nb import Engine, SamplingParams
+
+from conftest import engine_state
+
+TOLERANCE = 1e-4
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.3, ignore_eos=True)
+
+
+def reference_logprobs(hf, tokens):
+    """log_softmax of transformers' logits: row t scores token t + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([tokens])).logits[0], dim=-1)
+
+
+def assert_match(eng, hf, branch):
+    kept, tokens = eng.logprobs(branch), branch.tokens
+    assert len(kept) == len(tokens)
+    reference = reference_logprobs(hf, tokens)
+    scored = [(position, logprob) for position, logprob in enumerate(kept) if logprob is not None]
+    for position, logprob in scored:
+        assert abs(logprob - reference[position - 1, tokens[position]].item()) < TOLERANCE, position
+    return scored
+
+
+@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied"])
+def test_sampled_tokens_keep_the_models_log_probability(shape, checkpoint, hf_model):
+    eng = Engine.from_pretrained(checkpoint(shape), num_blocks=64, block_size=4)
+    root = eng.new_branch("root", "Three ways across the river:")
+    kids = eng.fork(root, 3)
+    outputs = eng.generate(kids, 10, SAMPLED, logprobs=True)  # raw logprobs: not the tempered, nucleus one
+    for kid, output in zip(kids, outputs):
+        scored = assert_match(eng, hf_model(shape), kid)
+        assert [position for position, _ in scored] == list(range(len(root), len(kid)))  # prompt: none
+        assert len(output) == len(scored) == 10
+
+
+def test_a_constrained_token_keeps_the_unmasked_log_probability(checkpoint, hf_model):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=64)
+    branch = eng.new_branch("answer", "Answer:")
+    eng.generate([branch], 8, SamplingParams(temperature=1.0), constraint={"regex": "(yes|no|maybe)"},
+                 logprobs=True)
+    assert assert_match(eng, hf_model("llama-gqa-untied"), branch)
+
+
+def test_forks_share_their_parents_entries_and_later_tokens_without_logprobs_have_none(checkpoint):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=64, block_size=4)
+    root = eng.new_branch("root", "A fork shares")
+    eng.generate([root], 5, SAMPLED, logprobs=True)
+    parent = eng.logprobs(root)
+    kid = eng.fork(root, names=["kid"])[0]
+    eng.generate([kid], 3, SAMPLED)
+    eng.append(kid, " more")
+    kept = eng.logprobs(kid)
+    assert kept[: len(parent)] == parent and all(lp is None for lp in kept[len(parent):])
+    assert sum(lp is not None for lp in parent) == 5 and all(lp <= 0 for lp in parent if lp is not None)
+    eng.audit()
+
+
+def test_a_saved_session_keeps_its_logprobs(checkpoint, tmp_path):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=64, block_size=4)
+    branch = eng.new_branch("root", "Saved with")
+    eng.generate([branch], 6, SAMPLED, logprobs=True)
+    eng.save(tmp_path / "s.dendrite")
+    restored = Engine.restore(tmp_path / "s.dendrite")
+    assert restored.logprobs("root") == eng.logprobs("root")
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_logprobs_that_are_not_a_bool_are_refused_and_change_nothing(engine, bad):
+    branch = engine.new_branch("b", "Hello")
+    before = engine_state(engine)
+    with pytest.raises(ValueError, match="logprobs must be True or False"):
+        engine.generate([branch], 2, logprobs=bad)
+    assert engine_state(engine) == before and engine.logprobs(branch) == [None] * len(branch)
