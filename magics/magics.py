@@ -325,6 +325,8 @@ class DendriteMagics(Magics):
     @argument("--max-tokens", "-n", type=int, default=32, help="tokens to generate per branch (default 32)")
     @argument("--priority", type=float, default=None, help="set these branches' priority first (higher runs first)")
     @argument("--max-batch", type=int, default=None, help="decode at most this many branches per step, by priority")
+    @argument("--logprobs", action="store_true",
+              help="keep each new token's log-probability; the result shows each branch's mean")
     @sampling_arguments
     @line_magic
     def gen(self, line: str = ""):
@@ -344,6 +346,7 @@ class DendriteMagics(Magics):
           result = %gen root/* -n 20 --stop "."
           %gen mcts/* -n 16 --max-batch 8          # 8 branches per step, highest priority first
           %gen plan/2 -n 16 --priority 5           # set a priority (forks inherit it), then generate
+          best = %gen cand/* -n 24 --logprobs      # best.mean_logprobs(): {branch: mean log-probability}
         """
         args = parse_arguments(self.gen, line)
         self.session.require_engine()
@@ -357,11 +360,12 @@ class DendriteMagics(Magics):
         inline, _ = split_inline_options(self.session.cell_source or "")
         constraint = self._cell_constraint(inline, generating=True)
         branches = self.session.select(args.branches)
-        return self._generate(branches, args.max_tokens, sampling, constraint, args.max_batch, args.priority)
+        return self._generate(branches, args.max_tokens, sampling, constraint, args.max_batch, args.priority,
+                              args.logprobs)
 
     def _generate(self, branches: list[Branch], max_tokens: int, sampling: SamplingParams,
                   constraint: Constraint | None, max_batch: int | None = None,
-                  priority: float | None = None) -> Generated:
+                  priority: float | None = None, logprobs: bool = False) -> Generated:
         engine = self.session.require_engine()
         with user_errors():  # refuse before the live view appears, so a refused cell shows only the error
             engine.check_generate(branches, max_tokens, sampling, constraint)
@@ -371,24 +375,28 @@ class DendriteMagics(Magics):
         live = LiveGeneration(engine, branches, max_tokens * -(-len(branches) // per_step))
         try:
             with engine.subscribe(live), user_errors():
-                outputs = engine.generate(branches, max_tokens, sampling, constraint, max_batch=max_batch)
+                outputs = engine.generate(branches, max_tokens, sampling, constraint, max_batch=max_batch,
+                                          logprobs=logprobs)
         except GenerationInterrupted as interrupted:
             live.finish(interrupted=True)
             self.session.last_result = self._result(engine, branches, interrupted.outputs, live,
-                                                    interrupted.steps_done, True)
+                                                    interrupted.steps_done, True, logprobs)
             raise
         finally:
             self.session.generated()  # an interrupted cell kept its tokens: it counts for autosave too
         live.finish(interrupted=False)
-        self.session.last_result = self._result(engine, branches, outputs, live, live.steps, False)
+        self.session.last_result = self._result(engine, branches, outputs, live, live.steps, False, logprobs)
         return self.session.last_result
 
     @staticmethod
     def _result(engine: Engine, branches: list[Branch], outputs: list[list[int]], live: LiveGeneration,
-                steps: int, interrupted: bool) -> Generated:
+                steps: int, interrupted: bool, logprobs: bool = False) -> Generated:
         texts = tuple(engine.decode(out) if engine.tokenizer else str(out) for out in outputs)
+        # The new tokens are each branch's last ones; a branch generated nothing when it was already done.
+        kept = (tuple(tuple(engine.logprobs(b)[len(b) - len(out):]) if out else () for b, out in zip(branches, outputs))
+                if logprobs else None)
         return Generated(tuple(b.name for b in branches), tuple(tuple(o) for o in outputs), texts,
-                         steps, live.max_steps, live.seconds, interrupted)
+                         steps, live.max_steps, live.seconds, interrupted, logprobs=kept)
 
     # ---- %prune ---------------------------------------------------------------------------------------
     @magic_arguments()

@@ -6,6 +6,7 @@ model's memory alive. `_` after a magic is one of these; loop over it in Python.
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -102,6 +103,7 @@ class Generated(PrettyByRepr):
     seconds: float
     interrupted: bool = False
     constraint: str | None = None
+    logprobs: tuple[tuple[float, ...], ...] | None = None  # each new token's, with %gen --logprobs
 
     def __getitem__(self, name: str) -> str:
         if name not in self.names:
@@ -121,6 +123,12 @@ class Generated(PrettyByRepr):
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
 
+    def mean_logprobs(self) -> dict[str, float]:
+        """Each branch's mean log-probability over its new tokens (NaN for a branch that gained none)."""
+        if self.logprobs is None:
+            raise ValueError("this generation kept no log-probabilities; run %gen with --logprobs.")
+        return {name: sum(kept) / len(kept) if kept else math.nan for name, kept in zip(self.names, self.logprobs)}
+
     def _status(self) -> str:
         state = (f"interrupted after {self.steps} of {self.max_steps} steps" if self.interrupted
                  else counted(self.steps, "step"))
@@ -128,14 +136,19 @@ class Generated(PrettyByRepr):
 
     def __repr__(self) -> str:
         width = max(len(n) for n in self.names)
-        lines = [f"{name:>{width}} │ {one_line(text)}" for name, text in self.items()]
-        return "\n".join([self._status(), *lines])
+        means = self.mean_logprobs() if self.logprobs is not None else None
+        lines = [f"{name:>{width}} │ " + (f"{means[name]:12.3f} │ " if means else "") + one_line(text)
+                 for name, text in self.items()]
+        header = [f"{'':>{width}} │ mean logprob │ new text"] if means else []
+        return "\n".join([self._status(), *header, *lines])
 
     def _repr_html_(self) -> str:
-        rows = [[f"<b>{html.escape(name)}</b>", str(len(tokens)),
+        means = self.mean_logprobs() if self.logprobs is not None else None
+        rows = [[f"<b>{html.escape(name)}</b>", str(len(tokens)), *([f"{means[name]:.3f}"] if means else []),
                  f"<span style='white-space:pre-wrap'>{html.escape(text)}</span>"]
                 for name, text, tokens in zip(self.names, self.texts, self.tokens)]
-        return table_html(["branch", "tokens", "new text"], rows, self._status())
+        header = ["branch", "tokens", *(["mean log-prob"] if means else []), "new text"]
+        return table_html(header, rows, self._status())
 
 
 @dataclass(frozen=True, repr=False)

@@ -97,6 +97,22 @@ def test_branch_fork_gen_prune_match_the_python_api(ip, checkpoint):
     assert sorted(current_engine().branches) == ["careful", "plan/1", "root"]
 
 
+def test_gen_logprobs_show_each_branchs_mean_and_match_the_engine(ip):
+    magic(ip, "fork root a b")
+    result, _ = magic(ip, "gen a b -n 5 --ignore-eos --logprobs -t 0.7")
+    engine = current_engine()
+    means = result.mean_logprobs()
+    for name in ("a", "b"):
+        kept = engine.logprobs(name)[-5:]
+        assert None not in kept and means[name] == pytest.approx(sum(kept) / 5)
+    assert "mean logprob" in repr(result) and f"{means['a']:.3f}" in repr(result)
+    assert "mean log-prob" in result._repr_html_()
+    plain, _ = magic(ip, "gen a -n 2 --ignore-eos")
+    with pytest.raises(ValueError, match="run %gen with --logprobs"):
+        plain.mean_logprobs()
+    assert "mean logprob" not in repr(plain)
+
+
 def test_gen_streams_one_line_per_branch_and_ends_with_a_summary(ip):
     magic(ip, "fork root a b")
     result, shown = magic(ip, "gen a b -n 5 --ignore-eos")
