@@ -40,6 +40,7 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             self.engine = Engine(model, tokenizer, num_blocks=NUM_BLOCKS, block_size=4, debug=True)
             self.engine.source = source  # the weights are that checkpoint's, so a restore can rebuild them
             self.expected: dict[str, list[int]] = {}
+            self.scored: dict[str, list[bool]] = {}  # which of each branch's tokens keep a log-probability
             self.counter = 0
 
         def _name(self):
@@ -61,12 +62,14 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             if self._attempt(lambda: self.engine.new_branch(name, tokens)) is None:
                 return None
             self.expected[name] = list(tokens)
+            self.scored[name] = [False] * len(tokens)
             return name
 
         @rule(name=branches, tokens=tokens_strategy)
         def append(self, name, tokens):
             if name in self.expected and self._attempt(lambda: self.engine.append(name, tokens)):
                 self.expected[name] += tokens
+                self.scored[name] += [False] * len(tokens)
 
         @rule(target=branches, name=branches, n=st.integers(1, 3))
         def fork(self, name, n):
@@ -76,25 +79,27 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             self.engine.fork(name, names=names)
             for child in names:
                 self.expected[child] = list(self.expected[name])
+                self.scored[child] = list(self.scored[name])
             return multiple(*names)
 
         @rule(names=st.lists(branches, min_size=1, max_size=3, unique=True), steps=st.integers(1, 4),
-              temperature=st.sampled_from([0.0, 1.0]))
-        def generate(self, names, steps, temperature):
+              temperature=st.sampled_from([0.0, 1.0]), logprobs=st.booleans())
+        def generate(self, names, steps, temperature, logprobs):
             names = [n for n in names if n in self.expected]
             if not names:
                 return
             sampling = SamplingParams(temperature=temperature, ignore_eos=True)
-            outs = self._attempt(lambda: self.engine.generate(names, steps, sampling))
+            outs = self._attempt(lambda: self.engine.generate(names, steps, sampling, logprobs=logprobs))
             for name, out in zip(names, outs or []):
                 assert len(out) == steps
                 self.expected[name] += out
+                self.scored[name] += [logprobs] * steps
 
         @rule(name=consumes(branches))
         def prune(self, name):
             if name in self.expected:
                 self.engine.prune(name)
-                del self.expected[name]
+                del self.expected[name], self.scored[name]
 
         @rule(name=branches)
         def preempt(self, name):
@@ -113,6 +118,7 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             before = self.engine.next_logits(names)
             restored = Engine.restore(self.engine.save(tmp_path / "session"))
             assert torch.equal(restored.next_logits(names), before)
+            assert all(restored.logprobs(name) == self.engine.logprobs(name) for name in names)
             self.engine = restored  # not close(): that would free the weights the other examples share
 
         @precondition(lambda self: self.expected)
@@ -133,6 +139,8 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
         def invariants_hold(self):
             self.engine.audit()  # refcounts == held, free + used == pool, canaries, node invariants
             assert {n: b.tokens for n, b in self.engine.branches.items()} == self.expected
+            kept = {n: [lp is not None for lp in self.engine.logprobs(n)] for n in self.engine.branches}
+            assert kept == self.scored
             used = len({b["id"] for b in self.engine.block_table()["blocks"]})
             assert used + self.engine.num_free_blocks == NUM_BLOCKS
 
