@@ -498,7 +498,7 @@ class Engine:
                         self._undo(planned.records)
                         raise
                     # The forward starts on the device's tokens; the host reads them while it runs (undone on failure).
-                    drawn = self._finish_decode(planned, sampled, picked)
+                    drawn, drawn_logprobs = self._finish_decode(planned, sampled, picked)
                     # Constrained matchers advance now, so the next step's masks fill during the forward.
                     if constrained:
                         self._advance_matchers([resolved[i] for i in active], drawn)
@@ -520,7 +520,7 @@ class Engine:
                     if self._listeners:
                         self._emit(DecodeStep(step, max_steps, tuple(resolved[i].name for i in active),
                                               tuple(drawn), tuple(resolved[i].name for i in finished),
-                                              time.perf_counter() - started))
+                                              time.perf_counter() - started, drawn_logprobs))
                     if not pending:
                         break
                     if interrupt.pending:  # Ctrl-C arrived during the step; stop here, at its boundary
@@ -866,10 +866,11 @@ class Engine:
             raise
 
     def _finish_decode(self, planned: PlannedForward, tokens: torch.Tensor,
-                       logprobs: torch.Tensor | None = None) -> list[int]:
+                       logprobs: torch.Tensor | None = None) -> tuple[list[int], tuple[float, ...] | None]:
         """Run the step's forward on the sampled tokens as they lie on the device, read them back (a wait
         for the sampler only: the forward keeps running) and put them in place of the pending ones, with
-        their log-probabilities when given. Returns the tokens. On failure the step is undone."""
+        their log-probabilities when given. Returns the tokens and those log-probabilities (or None).
+        On failure the step is undone."""
         try:
             read = self._runner.read_back(tokens) if logprobs is None else self._runner.read_back(tokens, logprobs)
             self._run_forward(planned, tokens)
@@ -885,7 +886,7 @@ class Engine:
                 if node.logprobs is None:
                     node.logprobs = {}
                 node.logprobs[len(node.tokens) - 1] = logprob
-        return drawn
+        return drawn, tuple(kept[0]) if kept else None
 
     def _undo(self, records: list[AppendRecord]) -> None:
         for record in reversed(records):

@@ -19,6 +19,8 @@ class DecodeStep:
     tokens: tuple[int, ...]     # the token each of them appended
     finished: tuple[str, ...]   # those that stopped at this step (EOS or a stop string)
     step_s: float               # wall time of the step: sampling + forward, seconds
+    # Each token's log-probability under the model, when the call keeps them (generate(..., logprobs=True)).
+    logprobs: tuple[float, ...] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -77,3 +77,17 @@ def test_logprobs_that_are_not_a_bool_are_refused_and_change_nothing(engine, bad
     with pytest.raises(ValueError, match="logprobs must be True or False"):
         engine.generate([branch], 2, logprobs=bad)
     assert engine_state(engine) == before and engine.logprobs(branch) == [None] * len(branch)
+
+
+def test_decode_step_events_carry_the_logprobs_the_branches_keep(checkpoint):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=64, block_size=4)
+    kids = eng.fork(eng.new_branch("root", "Events"), 2)
+    steps = []
+    with eng.subscribe(steps.append):
+        eng.generate(kids, 3, SAMPLED, logprobs=True)
+        eng.generate(kids, 1, SAMPLED)
+    decoded = [event for event in steps if hasattr(event, "logprobs")]
+    assert [event.logprobs is None for event in decoded] == [False, False, False, True]
+    for kid in kids:
+        from_events = [event.logprobs[event.branches.index(kid.name)] for event in decoded[:3]]
+        assert from_events == eng.logprobs(kid)[-4:-1]
