@@ -91,3 +91,20 @@ def test_decode_step_events_carry_the_logprobs_the_branches_keep(checkpoint):
     for kid in kids:
         from_events = [event.logprobs[event.branches.index(kid.name)] for event in decoded[:3]]
         assert from_events == eng.logprobs(kid)[-4:-1]
+
+
+def test_the_tree_shows_each_nodes_mean_logprob(checkpoint):
+    from dendrite_nb.widgets import TreeView
+    from dendrite_nb.widgets.tree_view import tree_lines
+
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=64, block_size=4)
+    kids = eng.fork(eng.new_branch("root", "Scored thoughts"), 2)
+    eng.generate(kids[0], 4, SAMPLED, logprobs=True)
+    eng.generate(kids[1], 4, SAMPLED)
+    scored = sum(eng.logprobs(kids[0])[-4:]) / 4
+    nodes = {tuple(node["branches"]): node for node in eng.tree()["nodes"]}
+    assert nodes[(kids[0].name,)]["mean_logprob"] == pytest.approx(scored)
+    assert nodes[(kids[1].name,)]["mean_logprob"] is None
+    assert any(f"mean logprob {scored:.3f} [{kids[0].name}]" in line for line in tree_lines(eng.tree()))
+    view = TreeView(eng, interval_s=0)
+    assert sorted(node["mean_logprob"] is None for node in view._nodes) == [False, True, True, True]

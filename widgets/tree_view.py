@@ -33,8 +33,9 @@ def tree_lines(snapshot: dict[str, Any]) -> list[str]:
         names = f" [{', '.join(node['branches'])}]" if node["branches"] else ""
         if node["parent"] is None:
             return f"root{names}"
+        score = f", mean logprob {node['mean_logprob']:.3f}" if node["mean_logprob"] is not None else ""
         return (f"node {node['id']}: +{counted(node['num_tokens'], 'token')} at {node['start']:,}, "
-                f"{counted(len(node['blocks']), 'block')}{names}")
+                f"{counted(len(node['blocks']), 'block')}{score}{names}")
 
     root = next(node for node in nodes.values() if node["parent"] is None)
     out = [line(root)]
@@ -87,6 +88,7 @@ class TreeView(EngineView):
                 "id": node["id"], "parent": node["parent"], "label": node_label(node),
                 "branches": node["branches"], "start": node["start"], "num_tokens": node["num_tokens"],
                 "state": state, "tail": engine.decode(node["tokens"][-TAIL_TOKENS:]) if engine.tokenizer else "",
+                "mean_logprob": node["mean_logprob"],
                 "constraints": [f"{name}: {info['constraint']}{' (complete)' if info['constraint_complete'] else ''}"
                                 for name in node["branches"]
                                 if (info := snapshot["branches"][name])["constraint"] is not None],

@@ -47,6 +47,9 @@ function tooltipText(node, blocks, refcounts) {
     `blocks: ${ids.join(", ") || "none"}${more}`,
     `refcounts: ${refs.join(", ") || "–"}${more}`,
   ];
+  if (node.mean_logprob !== null && node.mean_logprob !== undefined) {
+    lines.push(`mean logprob: ${node.mean_logprob.toFixed(3)} (its sampled tokens)`);
+  }
   for (const constraint of node.constraints || []) lines.push(`constraint ${constraint}`);
   if (node.tail) lines.push(`…${node.tail}`);
   return lines.join("\n");
