@@ -37,6 +37,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # A decode step appends a placeholder for each branch's next token before that token is sampled (so the
 # step is planned while the GPU is still busy), and puts the sampled token in its place before the forward.
 PENDING_TOKEN = -1
+SCORE_ROWS = 128  # hidden states per LM-head call when appended tokens are scored
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 CPU_KV_BUDGET_BYTES = 1 << 30
 CUDA_KV_FRACTION = 0.85  # of the memory free after the weights; the rest is for activations
@@ -308,12 +309,18 @@ class Engine:
         self._emit(TreeChanged("new_branch", (name,)))
         return branch
 
-    def append(self, branch: BranchRef, content: TokensLike) -> Branch:
-        """Prefill text or token ids onto the end of a branch (one forward per chunk)."""
-        return self.append_many([(branch, content)])[0]
+    def append(self, branch: BranchRef, content: TokensLike, *, logprobs: bool = False) -> Branch:
+        """Prefill text or token ids onto the end of a branch (one forward per chunk).
 
-    def append_many(self, items: Iterable[tuple[BranchRef, TokensLike]]) -> list[Branch]:
-        """Prefill several branches together, in shared forwards; all or nothing."""
+        With logprobs=True, each appended token keeps the model's log-probability of it given everything
+        before it (read them with `logprobs(branch)`): a way to score given text, such as candidate answers
+        forked from one question. A branch's very first token has nothing before it and gets none."""
+        return self.append_many([(branch, content)], logprobs=logprobs)[0]
+
+    def append_many(self, items: Iterable[tuple[BranchRef, TokensLike]], *, logprobs: bool = False) -> list[Branch]:
+        """Prefill several branches together, in shared forwards; all or nothing. logprobs: as in append."""
+        if not isinstance(logprobs, bool):
+            raise ValueError(f"logprobs must be True or False, got {logprobs!r}.")
         pairs = []
         for item in items if not isinstance(items, (str, Branch)) else [items]:
             if not isinstance(item, (tuple, list)) or len(item) != 2:
@@ -328,7 +335,7 @@ class Engine:
                 raise ConstraintError(f"branch {branch.name!r} decodes under a {branch.constraint.describe()} "
                                       f"constraint, which these tokens break; append text the grammar allows, "
                                       f"or remove the constraint with constrain({branch.name!r}, None).")
-        self._prefill([(b, t) for b, t in pairs if t])
+        self._prefill([(b, t) for b, t in pairs if t], logprobs)
         for branch, tokens in pairs:
             if branch.matcher is not None:
                 branch.matcher.consume_tokens(tokens)
@@ -809,9 +816,10 @@ class Engine:
             raise OutOfBlocks(needed, self.num_free_blocks, what)
 
     # ---- the forward --------------------------------------------------------------------------
-    def _prefill(self, pairs: list[tuple[Branch, list[int]]]) -> None:
+    def _prefill(self, pairs: list[tuple[Branch, list[int]]], logprobs: bool = False) -> None:
         """Write every token's KV, at most prefill_chunk_tokens per forward (but every branch's next
-        token fits one forward, so a decode step is always one forward). All or nothing."""
+        token fits one forward, so a decode step is always one forward). All or nothing. With logprobs,
+        each token keeps its log-probability given what precedes it."""
         if not pairs:
             return
         total = sum(len(t) for _, t in pairs)
@@ -835,10 +843,45 @@ class Engine:
                     records.append(chunk[-1][0])
                     done[i] += take
                     budget -= take
-                self._forward(chunk)
+                # What predicts each run's first token: the hidden state its branch ended on before it.
+                before = [record.old_last_hidden if not record.created else record.from_node.last_hidden
+                          for record, _ in chunk] if logprobs else None
+                self._runner.keep_all_hidden = logprobs
+                try:
+                    self._forward(chunk)
+                finally:
+                    self._runner.keep_all_hidden = False
+                if logprobs:
+                    self._keep_prefill_logprobs(chunk, before, self._runner.all_hidden)
         except BaseException:
             self._undo(records)
             raise
+
+    def _keep_prefill_logprobs(self, chunk: list[tuple[AppendRecord, list[int]]], before: list[Any],
+                               hidden: torch.Tensor) -> None:
+        """Score one prefill forward's tokens: token j of a run is predicted by the hidden state of token j - 1
+        (hidden [T, hidden], the runs one after another), its first token by `before` (None: unscored)."""
+        predictors, targets, places, offset = [], [], [], 0
+        for (record, piece), first in zip(chunk, before):
+            start = 0 if record.created else record.old_num_tokens  # the run's first index in its node's tokens
+            rows = hidden[offset: offset + len(piece) - 1]
+            if first is not None:
+                rows = torch.cat([first.unsqueeze(0), rows])
+            scored = range(len(piece)) if first is not None else range(1, len(piece))
+            predictors.append(rows)
+            targets += [piece[j] for j in scored]
+            places += [(record.node, start + j) for j in scored]
+            offset += len(piece)
+        rows = torch.cat(predictors)
+        target_ids = torch.tensor(targets, device=rows.device).unsqueeze(1)
+        kept: list[float] = []
+        for at in range(0, len(rows), SCORE_ROWS):  # the logits of 128 rows of a 152k vocabulary: 78 MB
+            logits = self.model.logits(rows[at: at + SCORE_ROWS]).float()
+            kept += (torch.log_softmax(logits, dim=-1).gather(1, target_ids[at: at + SCORE_ROWS])).squeeze(1).tolist()
+        for (node, index), logprob in zip(places, kept):
+            if node.logprobs is None:
+                node.logprobs = {}
+            node.logprobs[index] = logprob
 
     def _forward(self, chunk: list[tuple[AppendRecord, list[int]]]) -> None:
         planned = self._runner.plan(self.branch_tree, [record for record, _ in chunk], [len(t) for _, t in chunk])

@@ -38,6 +38,9 @@ class ForwardRunner:
         # the next step's LM head reads the tensor as it is when it asks for exactly those rows, in order.
         self.last_hidden: torch.Tensor | None = None
         self.last_rows: list[torch.Tensor] = []
+        # Set while the engine scores appended tokens: the last forward's hidden state of every token [T, hidden].
+        self.keep_all_hidden = False
+        self.all_hidden: torch.Tensor | None = None
         # Host landing places of what a step reads back (read_back): the sampled tokens, and their
         # log-probabilities when asked for, by position in the call.
         self._pinned: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -86,6 +89,7 @@ class ForwardRunner:
             hidden = self.graphs.launch(planned.staged, token_ids)  # [T, hidden]
         else:
             hidden = self.model(token_ids, planned.positions, self.kv_layers, self.backend, planned.plan)
+        self.all_hidden = hidden if self.keep_all_hidden else None
         if not layout.is_decode:  # keep each sequence's last token (a host-built index: no device sync)
             hidden = hidden[self._on_device(list(itertools.accumulate(layout.q_lens, initial=-1)))[1:]]
         rows = list(hidden)

@@ -222,6 +222,8 @@ class DendriteMagics(Magics):
     @argument("--from", dest="parent", default=None, help="fork NAME from this branch first (NAME must be new)")
     @argument("--gen", type=int, default=0, metavar="N", help="then generate up to N tokens, streaming")
     @argument("--chat", action="store_true", help="wrap the cell text as a user message with the chat template")
+    @argument("--logprobs", action="store_true",
+              help="score the cell's text (its mean log-probability) and keep the generated tokens' too")
     @sampling_arguments
     @cell_magic
     def branch(self, line: str, cell: str):
@@ -240,6 +242,9 @@ class DendriteMagics(Magics):
 
           %%branch root
           and one more thing.
+
+          %%branch answer/1 --from question --logprobs
+          Swim across.                             # the result shows this text's mean log-probability
         """
         args = parse_arguments(self.branch, line)
         engine = self.session.require_engine()
@@ -275,7 +280,7 @@ class DendriteMagics(Magics):
                 if created is not None:
                     engine.check_growth(created, len(tokens) + args.gen)
                 if tokens:
-                    engine.append(args.name, tokens)
+                    engine.append(args.name, tokens, logprobs=args.logprobs)
                 if created is not None and args.gen:   # refused here, the new branch goes (a completed grammar)
                     engine.check_generate([created], args.gen, sampling, constraint)
         except BaseException:
@@ -285,9 +290,11 @@ class DendriteMagics(Magics):
         branch = engine.branch(args.name)
         action = "forked from " + args.parent if parent is not None else "created" if created else "appended to"
         if args.gen:
-            return self._generate([branch], args.gen, sampling, constraint)
+            return self._generate([branch], args.gen, sampling, constraint, logprobs=args.logprobs)
+        scored = [lp for lp in engine.logprobs(branch)[len(branch) - len(tokens):] if lp is not None]
         return Branches(f"{action} {args.name}" if tokens or created else f"{args.name} unchanged",
-                        (branch.name,), (len(branch),), engine.num_free_blocks)
+                        (branch.name,), (len(branch),), engine.num_free_blocks,
+                        sum(scored) / len(scored) if args.logprobs and scored else None)
 
     # ---- %fork ----------------------------------------------------------------------------------------
     @magic_arguments()

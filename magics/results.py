@@ -80,6 +80,7 @@ class Branches(PrettyByRepr):
     names: tuple[str, ...]
     num_tokens: tuple[int, ...]
     free_blocks: int
+    text_logprob: float | None = None  # %%branch --logprobs: the appended text's mean log-probability
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -89,7 +90,8 @@ class Branches(PrettyByRepr):
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{name} ({counted(count, 'token')})" for name, count in zip(self.names, self.num_tokens))
-        return f"{self.action}: {rows}; {counted(self.free_blocks, 'KV block')} free"
+        score = f"; the text's mean logprob {self.text_logprob:.3f}" if self.text_logprob is not None else ""
+        return f"{self.action}: {rows}; {counted(self.free_blocks, 'KV block')} free{score}"
 
 
 @dataclass(frozen=True, repr=False)

@@ -97,3 +97,19 @@ def test_cuda_logprobs_match_transformers_on_cpu(checkpoint, hf_model):
         scored = [(p, lp) for p, lp in enumerate(kept) if lp is not None]
         assert len(scored) == 16
         assert max(abs(lp - reference[p - 1, tokens[p]].item()) for p, lp in scored) < 1e-3  # the device bar above
+
+
+def test_cuda_appended_text_is_scored_like_transformers(checkpoint, hf_model):
+    """Scoring appended text reads every position's hidden state: a short append replays a CUDA graph,
+    a long one runs in prefill chunks; both against transformers on the CPU."""
+    eng = Engine.from_pretrained(checkpoint(), device="cuda", num_blocks=128, block_size=16, prefill_chunk_tokens=32)
+    question = eng.new_branch("q", PROMPT)
+    short, long = eng.fork(question, 2)
+    eng.append(short, " Swim.", logprobs=True)
+    eng.append(long, " Build a raft from logs and rope, then paddle over to the far bank. " * 4, logprobs=True)
+    for answer in (short, long):
+        tokens, kept = answer.tokens, eng.logprobs(answer)
+        with torch.no_grad():
+            reference = torch.log_softmax(hf_model("llama-gqa-untied")(torch.tensor([tokens])).logits[0], -1)
+        assert all(lp is not None for lp in kept[len(question):]) and all(lp is None for lp in kept[:len(question)])
+        assert max(abs(kept[p] - reference[p - 1, tokens[p]].item()) for p in range(len(question), len(tokens))) < 1e-3

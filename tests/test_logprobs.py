@@ -108,3 +108,34 @@ def test_the_tree_shows_each_nodes_mean_logprob(checkpoint):
     assert any(f"mean logprob {scored:.3f} [{kids[0].name}]" in line for line in tree_lines(eng.tree()))
     view = TreeView(eng, interval_s=0)
     assert sorted(node["mean_logprob"] is None for node in view._nodes) == [False, True, True, True]
+
+
+@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied"])
+def test_appended_text_is_scored_against_transformers_across_prefill_chunks(shape, checkpoint, hf_model):
+    """Candidate answers forked from one question, appended together in 7-token forwards and scored."""
+    eng = Engine.from_pretrained(checkpoint(shape), num_blocks=64, block_size=4, prefill_chunk_tokens=7)
+    question = eng.new_branch("q", "Which way across the river?")
+    short, long = eng.fork(question, 2)
+    eng.append_many([(short, " Swim."), (long, " Build a raft from logs and rope, then paddle over.")],
+                    logprobs=True)
+    for answer in (short, long):
+        scored = assert_match(eng, hf_model(shape), answer)
+        assert [position for position, _ in scored] == list(range(len(question), len(answer)))
+    eng.audit()
+
+
+def test_a_branchs_first_token_has_nothing_to_predict_it(checkpoint, hf_model):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=64)
+    branch = eng.new_branch("empty")
+    eng.append(branch, "Scored from the second token on", logprobs=True)
+    kept = eng.logprobs(branch)
+    assert kept[0] is None and None not in kept[1:]
+    assert_match(eng, hf_model("llama-gqa-untied"), branch)
+
+
+def test_appending_with_logprobs_that_are_not_a_bool_changes_nothing(engine):
+    branch = engine.new_branch("b", "Hello")
+    before = engine_state(engine)
+    with pytest.raises(ValueError, match="logprobs must be True or False"):
+        engine.append(branch, " world", logprobs="yes")
+    assert engine_state(engine) == before

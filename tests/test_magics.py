@@ -113,6 +113,19 @@ def test_gen_logprobs_show_each_branchs_mean_and_match_the_engine(ip):
     assert "mean logprob" not in repr(plain)
 
 
+def test_branch_logprobs_score_the_cells_text_and_its_generation(ip):
+    result, _ = magic(ip, "branch answer --from root --logprobs", " Swim across the river.")
+    engine = current_engine()
+    added = len(engine.branch("answer")) - len(engine.branch("root"))
+    kept = engine.logprobs("answer")[-added:]
+    assert None not in kept and result.text_logprob == pytest.approx(sum(kept) / added)
+    assert f"the text's mean logprob {result.text_logprob:.3f}" in repr(result)
+    generated, _ = magic(ip, "branch answer --gen 3 --ignore-eos --logprobs", " So")
+    assert None not in engine.logprobs("answer")[-4:] and len(generated.mean_logprobs()) == 1
+    plain, _ = magic(ip, "branch other --from root", " Walk.")
+    assert plain.text_logprob is None and "logprob" not in repr(plain)
+
+
 def test_gen_streams_one_line_per_branch_and_ends_with_a_summary(ip):
     magic(ip, "fork root a b")
     result, shown = magic(ip, "gen a b -n 5 --ignore-eos")

@@ -65,11 +65,11 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             self.scored[name] = [False] * len(tokens)
             return name
 
-        @rule(name=branches, tokens=tokens_strategy)
-        def append(self, name, tokens):
-            if name in self.expected and self._attempt(lambda: self.engine.append(name, tokens)):
+        @rule(name=branches, tokens=tokens_strategy, logprobs=st.booleans())
+        def append(self, name, tokens, logprobs):
+            if name in self.expected and self._attempt(lambda: self.engine.append(name, tokens, logprobs=logprobs)):
                 self.expected[name] += tokens
-                self.scored[name] += [False] * len(tokens)
+                self.scored[name] += [logprobs] * len(tokens)  # a branch here is never empty: all are scored
 
         @rule(target=branches, name=branches, n=st.integers(1, 3))
         def fork(self, name, n):
