@@ -879,9 +879,7 @@ class Engine:
             logits = self.model.logits(rows[at: at + SCORE_ROWS]).float()
             kept += (torch.log_softmax(logits, dim=-1).gather(1, target_ids[at: at + SCORE_ROWS])).squeeze(1).tolist()
         for (node, index), logprob in zip(places, kept):
-            if node.logprobs is None:
-                node.logprobs = {}
-            node.logprobs[index] = logprob
+            node.keep_logprob(index, logprob)
 
     def _forward(self, chunk: list[tuple[AppendRecord, list[int]]]) -> None:
         planned = self._runner.plan(self.branch_tree, [record for record, _ in chunk], [len(t) for _, t in chunk])
@@ -925,10 +923,7 @@ class Engine:
             record.node.tokens[-1] = token
         if kept:
             for record, logprob in zip(planned.records, kept[0]):
-                node = record.node
-                if node.logprobs is None:
-                    node.logprobs = {}
-                node.logprobs[len(node.tokens) - 1] = logprob
+                record.node.keep_logprob(len(record.node.tokens) - 1, logprob)
         return drawn, tuple(kept[0]) if kept else None
 
     def _undo(self, records: list[AppendRecord]) -> None:

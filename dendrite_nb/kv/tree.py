@@ -64,6 +64,12 @@ class Node:
     def end(self) -> int:
         return self.start + len(self.tokens)
 
+    def keep_logprob(self, index: int, logprob: float) -> None:
+        """Record the log-probability of tokens[index]."""
+        if self.logprobs is None:
+            self.logprobs = {}
+        self.logprobs[index] = logprob
+
 
 class Branch:
     """A named, movable pointer to a node. Handles go stale when the branch is pruned."""
