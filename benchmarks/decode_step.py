@@ -79,9 +79,11 @@ def num_blocks(case: Case, extra_tokens: int) -> int:
 
 def engine_step_seconds(model, setup: Setup, attention: str, graphs: bool | None, case: Case, prefix_ids,
                         own_ids, steps: int, warmup: int, backend_settings: dict | None = None,
-                        kv_dtype: str | None = None) -> tuple[tuple[list[float], list[float]] | None, str | None]:
+                        kv_dtype: str | None = None, logprobs: bool = False
+                        ) -> tuple[tuple[list[float], list[float]] | None, str | None]:
     """((seconds per step inside generate(leaves, steps), per call), seconds per generate(leaves, 1) call).
-    backend_settings: attributes set on the engine's attention backend before its first plan (BASELINE_ROWS)."""
+    backend_settings: attributes set on the engine's attention backend before its first plan (BASELINE_ROWS).
+    logprobs: every generate call keeps its tokens' log-probabilities."""
     engine, reason = engine_variant(model, setup, attention, graphs, block_size=BLOCK_SIZE, kv_dtype=kv_dtype,
                                     num_blocks=num_blocks(case, warmup * steps + CALLS * steps + steps + 1))
     if engine is None:
@@ -94,8 +96,10 @@ def engine_step_seconds(model, setup: Setup, attention: str, graphs: bool | None
         if case.leaves > 1:
             leaves = engine.fork(root, case.leaves)
             engine.append_many(zip(leaves, own_ids))
-        in_call = time_calls(functools.partial(engine.generate, leaves, steps, GREEDY), setup.device, CALLS, warmup)
-        single = time_calls(functools.partial(engine.generate, leaves, 1, GREEDY), setup.device, steps)
+        in_call = time_calls(functools.partial(engine.generate, leaves, steps, GREEDY, logprobs=logprobs),
+                             setup.device, CALLS, warmup)
+        single = time_calls(functools.partial(engine.generate, leaves, 1, GREEDY, logprobs=logprobs),
+                            setup.device, steps)
         return ([t / steps for t in in_call], single), None
     except RUN_ERRORS as error:
         return None, f"failed while running: {type(error).__name__}: {error}"
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
                            help="only the variants with CUDA graphs (the eager ones take minutes at 8B)")
     arguments.add_argument("--kv-dtype", choices=["fp8"], default=None, help="the engines' KV cache dtype "
                            "(default: the model's, bf16)")
+    arguments.add_argument("--logprobs", action="store_true",
+                           help="the engines keep every sampled token's log-probability (generate(..., logprobs=True))")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     steps = args.steps or (3 if setup.smoke else 20)
@@ -140,9 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     hf_steps = args.hf_steps or (2 if setup.smoke else 5)
     report = Report("decode_step", setup)
     report.floors = floors = measure_floors(setup)
-    table = report.table("decode step (step: median of {} generate(leaves, {}) calls / {}; 1-step call: median of {}; "
+    table = report.table("decode step (step: median of {} generate(leaves, {}{}) calls / {}; 1-step call: median of {}; "
                          "floor = bytes read once / copy bandwidth, or FLOPs / matmul rate if larger)"
-                         .format(CALLS, steps, steps, steps),
+                         .format(CALLS, steps, ", logprobs=True" if args.logprobs else "", steps, steps),
                          [Column("case", "case", label=True), Column("attention", "attention", label=True),
                           Column("graphs", "graphs", label=True), Column("step_ms", "step ms", "{:.3f}"),
                           Column("floor_ms", "floor ms", "{:.3f}"), Column("x_floor", "x floor", "{:.2f}"),
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
             baseline = BASELINE_ROWS.get(attention)
             measured, reason = engine_step_seconds(model, setup, "triton" if baseline else attention, graphs, case,
                                                    prefix_ids, own_ids, steps, warmup, backend_settings=baseline,
-                                                   kv_dtype=args.kv_dtype)
+                                                   kv_dtype=args.kv_dtype, logprobs=args.logprobs)
             free_memory(setup.device)   # this variant's pool (and graphs), before the next one's
             if measured is None:
                 log(f"  {attention:>10} graphs {label['graphs']:>3}: unavailable: {reason}")

@@ -69,6 +69,13 @@ def test_decode_step(run):
     assert [line for line in payload["notes"] if line.startswith("(a) best: torch")]
 
 
+def test_decode_step_with_logprobs(run):
+    payload, _ = run("decode_step", "--cases", "b", "--no-hf", "--logprobs")
+    assert "logprobs=True" in payload["tables"][0]["title"]
+    torch_row = next(r for r in rows(payload) if r["attention"] == "torch")
+    assert torch_row["step_ms"] > 0
+
+
 def test_tree_attention(run):
     payload, _ = run("tree_attention")
     table = rows(payload)
