@@ -28,7 +28,7 @@ from .model.config import ModelConfig
 from .model.loader import load_model, random_model, read_config
 from .model.transformer import CausalLM
 from .paths import user_path
-from .sampling import SamplingParams, check_seed, derive_seed, sample
+from .sampling import SamplingParams, check_seed, derive_seed, sample, token_logprobs
 from .snapshot import block_snapshot, tree_snapshot
 from .wording import counted
 
@@ -499,8 +499,7 @@ class Engine:
                         if masks is not None:
                             self._guidance.apply(logits, masks[0], masks[1].result())
                         sampled = sample(logits, sampling, [generators[i] for i in active], histories)
-                        picked = (logits.gather(1, sampled.unsqueeze(1)).squeeze(1) - normaliser
-                                  if logprobs else None)
+                        picked = token_logprobs(logits, sampled, normaliser) if logprobs else None
                     except BaseException:
                         self._undo(planned.records)
                         raise
@@ -873,11 +872,11 @@ class Engine:
             places += [(record.node, start + j) for j in scored]
             offset += len(piece)
         rows = torch.cat(predictors)
-        target_ids = torch.tensor(targets, device=rows.device).unsqueeze(1)
+        target_ids = torch.tensor(targets, device=rows.device)
         kept: list[float] = []
         for at in range(0, len(rows), SCORE_ROWS):  # the logits of 128 rows of a 152k vocabulary: 78 MB
             logits = self.model.logits(rows[at: at + SCORE_ROWS]).float()
-            kept += (torch.log_softmax(logits, dim=-1).gather(1, target_ids[at: at + SCORE_ROWS])).squeeze(1).tolist()
+            kept += token_logprobs(logits, target_ids[at: at + SCORE_ROWS]).tolist()
         for (node, index), logprob in zip(places, kept):
             node.keep_logprob(index, logprob)
 

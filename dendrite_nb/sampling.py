@@ -141,6 +141,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
 SMALLEST_UNIFORM = torch.finfo(torch.float32).tiny
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, normaliser: torch.Tensor | None = None) -> torch.Tensor:
+    """log_softmax(logits)[b, tokens[b]] for each row b of logits [B, vocab] -> [B], without writing the [B, vocab]
+    log_softmax. normaliser: each row's logsumexp [B], when it had to be taken earlier (before a mask)."""
+    if normaliser is None:
+        normaliser = torch.logsumexp(logits, dim=-1)
+    return logits.gather(1, tokens.view(-1, 1)).squeeze(1) - normaliser
+
+
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """argmax(p / E) of each row of probs [B, vocab], E ~ Exp(1) from the row's generator -> token ids [B].
     On a CPU it runs row by row, so that a row's noise, quotient and argmax stay in cache; whole-batch passes

@@ -291,10 +291,12 @@ class DendriteMagics(Magics):
         action = "forked from " + args.parent if parent is not None else "created" if created else "appended to"
         if args.gen:
             return self._generate([branch], args.gen, sampling, constraint, logprobs=args.logprobs)
-        scored = [lp for lp in engine.logprobs(branch)[len(branch) - len(tokens):] if lp is not None]
+        # Only with --logprobs: reading them walks the branch's whole path.
+        scored = ([lp for lp in engine.logprobs(branch)[len(branch) - len(tokens):] if lp is not None]
+                  if args.logprobs else [])
         return Branches(f"{action} {args.name}" if tokens or created else f"{args.name} unchanged",
                         (branch.name,), (len(branch),), engine.num_free_blocks,
-                        sum(scored) / len(scored) if args.logprobs and scored else None)
+                        sum(scored) / len(scored) if scored else None)
 
     # ---- %fork ----------------------------------------------------------------------------------------
     @magic_arguments()
