@@ -25,6 +25,7 @@ from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
 from .kv.tree import RECOMPUTE
 from .model.config import ModelConfig
+from .model.gguf import find_gguf, load_gguf
 from .model.loader import load_model, random_model, read_config
 from .model.transformer import CausalLM
 from .paths import user_path
@@ -190,7 +191,10 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                         **options: Any) -> Engine:
-        """Load an HF folder: config.json, safetensors weights (single or sharded) and the tokenizer.
+        """Load an HF folder (config.json, safetensors weights, single or sharded, and the tokenizer), or a GGUF:
+        a `.gguf` file, or a folder holding exactly one `.gguf` (a folder with config.json and safetensors
+        weights loads as HF, whatever else it holds). A GGUF's weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are
+        dequantized into `dtype`; its tokenizer and chat template come from its metadata (model/gguf.py).
 
         Options: kv_dtype ("fp8" for an e4m3 cache), block_size (tokens per KV block), num_blocks (pool
         size; default fits the device), attention ("torch", "torch-tree", "triton", "flashinfer" or "auto"), cuda_graphs
@@ -202,13 +206,18 @@ class Engine:
         check_pool_options(options.get("block_size", 16), options.get("num_blocks"))  # before the weights load
         device = parse_device(device)
         folder = user_path(path)
-        config, _ = read_config(folder)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        except (OSError, ValueError) as error:
-            raise CheckpointError(f"cannot load a tokenizer from {str(folder)!r} ({error}); "
-                                  f"the folder needs tokenizer.json and tokenizer_config.json.") from error
-        model = load_model(folder, config, device, parse_dtype(dtype))
+        gguf_file = find_gguf(folder)
+        if gguf_file is not None:
+            model, tokenizer = load_gguf(gguf_file, device, parse_dtype(dtype))
+            folder = gguf_file
+        else:
+            config, _ = read_config(folder)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            except (OSError, ValueError) as error:
+                raise CheckpointError(f"cannot load a tokenizer from {str(folder)!r} ({error}); "
+                                      f"the folder needs tokenizer.json and tokenizer_config.json.") from error
+            model = load_model(folder, config, device, parse_dtype(dtype))
         engine = cls(model, tokenizer, device=device, **options)
         engine.source = {"checkpoint": str(folder.resolve())}
         return engine

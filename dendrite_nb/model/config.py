@@ -38,6 +38,9 @@ class ModelConfig:
     # Mistral's or Phi-3's sliding window, when it is shorter than the model's positions. Inside it, attention
     # over the whole context is exactly the model's, so max_position_embeddings stops there.
     sliding_window: int | None = None
+    # A GGUF's Llama 3 scaling: llama.cpp stores no parameters, only each frequency's divisor (its rope_freqs
+    # tensor, [head_dim // 2]); rope_scaling is then None.
+    rope_factors: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:

@@ -1,4 +1,6 @@
-"""Build a CausalLM from an HF folder (config.json + safetensors, single file or sharded), or with random weights."""
+"""Build a CausalLM from an HF folder (config.json + safetensors, single file or sharded), or with random weights.
+
+GGUF files are read by gguf.py, which shares this module's empty model, fused-tensor names and progress bar."""
 from __future__ import annotations
 
 import json
@@ -21,14 +23,14 @@ _DERIVED = ".rotary_emb.inv_freq"
 # from a cold disk); the tiny test and demo models load silently. TQDM_DISABLE=1 turns the bar off.
 PROGRESS_MIN_BYTES = 256 * 2**20
 # Phi-3 stores q/k/v and gate/up as one tensor each; the model keeps HF's separate names (and fuses them itself).
-_FUSED_ON_DISK = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+FUSED_ON_DISK = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                 "self_attn.v_proj.weight"),
                   "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
 def _model_names(name: str) -> tuple[str, ...]:
     """The model's parameter names that a checkpoint tensor holds: itself, or the parts of a fused one."""
-    for fused, parts in _FUSED_ON_DISK.items():
+    for fused, parts in FUSED_ON_DISK.items():
         if name.endswith(fused):
             prefix = name[: -len(fused)]
             return tuple(prefix + part for part in parts)
@@ -41,7 +43,8 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
         raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist.")
     if not path.is_file():
         raise CheckpointError(f"{str(folder)!r} has no config.json; expected an HF model folder "
-                              f"(config.json, {SINGLE_FILE} or {SHARD_INDEX}, tokenizer files).")
+                              f"(config.json, {SINGLE_FILE} or {SHARD_INDEX}, tokenizer files) or a GGUF "
+                              f"(a .gguf file, or a folder holding one).")
     raw = json.loads(path.read_text())
     generation = folder / "generation_config.json"
     if generation.is_file():  # instruct checkpoints list their extra end tokens here
@@ -72,7 +75,7 @@ def weight_files(folder: Path) -> dict[str, list[str]]:
                           f"dendrite-nb reads safetensors weights only.")
 
 
-def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(config).to(dtype)  # cast while on meta: no memory is touched yet
     model = model.to_empty(device=device)
@@ -82,7 +85,7 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
 
 
 def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    model = _empty_model(config, device, dtype)
+    model = empty_model(config, device, dtype)
     params = dict(model.named_parameters())  # tied weights appear once, under model.embed_tokens
     files = weight_files(folder)
     on_disk = {part for names in files.values() for name in names if not name.endswith(_DERIVED)
@@ -121,7 +124,7 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
 
 def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
     """Random weights in memory, for speed work on real shapes (speed depends on shapes, not values)."""
-    model = _empty_model(config, device, dtype)
+    model = empty_model(config, device, dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: plain and Llama 3 frequency scaling, laid out as in HF (rotate_half)."""
+"""Rotary position embeddings: plain and Llama 3 frequency scaling (as parameters, or as a GGUF's per-frequency
+divisors), laid out as in HF (rotate_half)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,8 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str) -> torch.Tens
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_factors is not None:
+        return inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32, device=device)
     if config.rope_scaling is None:
         return inv_freq
     # Llama 3: keep high frequencies, divide low ones by `factor`, blend the band in between.

@@ -11,8 +11,7 @@ import torch
 from transformers import (AutoTokenizer, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, PreTrainedModel,
                           Qwen2ForCausalLM, Qwen3ForCausalLM)
 
-from dendrite_nb.errors import CheckpointError
-from dendrite_nb.paths import user_path
+from dendrite_nb.paths import default_cache_dir, unwritable_cache, user_path
 from dendrite_nb.testing.shapes import TINY_SHAPES, make_config
 from dendrite_nb.testing.tokenizer import write_bpe_tokenizer
 
@@ -118,11 +117,6 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def _default_cache_dir() -> Path:
-    env = os.environ.get("DENDRITE_NB_CACHE")
-    return user_path(env) if env else Path.home() / ".cache" / "dendrite_nb"
-
-
 def _is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in _DEMO_FILES)
 
@@ -134,7 +128,7 @@ def demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
     crashed or concurrent writer therefore never leaves a half-written folder that a
     later call would trust.
     """
-    cache = user_path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    cache = user_path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache / _DEMO_NAME
     if _is_complete(target):
         return target
@@ -143,13 +137,8 @@ def demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{_DEMO_NAME}-", dir=cache))
     except OSError as error:   # the cache (or a parent) is a file, or a folder we may not write
-        if cache_dir is not None:
-            named, fix = "cache_dir", "pass a folder you can write"
-        else:
-            named = "$DENDRITE_NB_CACHE" if os.environ.get("DENDRITE_NB_CACHE") else "the default cache"
-            fix = "set DENDRITE_NB_CACHE to a folder you can write"
-        why = "it is a file, not a folder" if cache.is_file() else f"{error.strerror or error} ({error.filename})"
-        raise CheckpointError(f"cannot build the demo model in {str(cache)!r} ({named}): {why}; {fix}.") from None
+        given_as = "cache_dir" if cache_dir is not None else None
+        raise unwritable_cache(cache, error, "build the demo model", given_as) from None
     try:
         write_tiny_checkpoint(staging, "llama-gqa-untied", **_DEMO_OVERRIDES)
         if target.exists() and not _is_complete(target):
