@@ -14,10 +14,9 @@ TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("demo-cache")
+def kernel():
     manager = jupyter_client.KernelManager(kernel_name="python3")
-    manager.start_kernel(env={**__import__("os").environ, "DENDRITE_NB_CACHE": str(cache)})
+    manager.start_kernel()
     client = manager.client()
     client.start_channels()
     client.wait_for_ready(timeout=TIMEOUT_S)
@@ -52,8 +51,11 @@ def execute(client, code, metadata=None, on_first_display=None):
         if kind == "display_data" and on_first_display and not shown:
             shown = True
             on_first_display()
+    # wait_for_ready leaves its own kernel_info_reply on the shell channel when the kernel answered the probe
+    # more than once (a slow start): skip replies to other requests instead of taking one as this cell's.
     reply = client.get_shell_msg(timeout=TIMEOUT_S)
-    assert reply["parent_header"]["msg_id"] == msg_id
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = client.get_shell_msg(timeout=TIMEOUT_S)
     return reply["content"], outputs
 
 
@@ -70,9 +72,11 @@ def text_of(outputs):
 
 
 @pytest.fixture(scope="module")
-def loaded(kernel):
+def loaded(kernel, checkpoint):
+    """The kernel with the tiny test model (the demo's real one would spend this file's time loading)."""
     _, client = kernel
-    for code in ("%load_ext dendrite_nb", "%dendrite demo --num-blocks 256", "%%branch root\nA river blocks the road."):
+    for code in ("%load_ext dendrite_nb", f"%dendrite load {checkpoint()} --num-blocks 256",
+                 "%%branch root\nA river blocks the road."):
         reply, outputs = execute(client, code)
         assert reply["status"] == "ok", text_of(outputs)
     return kernel
