@@ -6,19 +6,21 @@
 In a notebook: `%load_ext dendrite_nb`, then `%dendrite demo` (see dendrite_nb.magics).
 """
 from .constraints import Constraint, parse_constraint
+from .default_model import demo_model
 from .engine import Engine
-from .errors import (BranchExists, BranchPruned, CheckpointError, ConstraintError, ContextOverflow, DendriteError,
-                     EmptyBranch, GenerationInterrupted, OutOfBlocks, SaveFileError, UnknownBranch,
-                     UnsupportedModel)
+from .errors import (BranchExists, BranchPruned, ChatError, CheckpointError, ConstraintError, ContextOverflow,
+                     DendriteError, EmptyBranch, GenerationInterrupted, ModelDownloadError, OutOfBlocks, SaveFileError,
+                     UnknownBranch, UnsupportedModel)
 from .events import DecodeStep, TreeChanged
 from .kv import Branch
 from .sampling import SamplingParams
 from .step_history import StepHistory
 
 __version__ = "0.1.0"
-__all__ = ["Branch", "BranchExists", "BranchPruned", "CheckpointError", "Constraint", "ConstraintError",
+__all__ = ["Branch", "BranchExists", "BranchPruned", "ChatError", "CheckpointError", "Constraint", "ConstraintError",
            "ContextOverflow", "DecodeStep", "DendriteError", "EmptyBranch", "Engine", "GenerationInterrupted",
-           "OutOfBlocks", "SamplingParams", "SaveFileError", "StepHistory", "TreeChanged", "UnknownBranch", "UnsupportedModel", "parse_constraint"]
+           "ModelDownloadError", "OutOfBlocks", "SamplingParams", "SaveFileError", "StepHistory", "TreeChanged",
+           "UnknownBranch", "UnsupportedModel", "demo_model", "parse_constraint"]
 
 
 def load_ipython_extension(ipython) -> None:

@@ -1,4 +1,5 @@
-"""Command line: `python -m dendrite_nb demo` runs the demo on the embedded default model."""
+"""Command line: `python -m dendrite_nb demo` runs the demo on the embedded default model (SmolLM2-135M-Instruct,
+fetched from PyPI on first use)."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +8,12 @@ import argparse
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dendrite-nb", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="branch, fork, decode and prune on the embedded tiny model")
+    demo = commands.add_parser("demo", help="fork a question 4 ways, decode the answers together, prune")
     demo.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    demo.add_argument("--branches", type=int, default=3, help="how many branches to fork (default: 3)")
-    demo.add_argument("--tokens", type=int, default=24, help="new tokens per branch (default: 24)")
-    demo.add_argument("--checkpoint", default=None, help="an HF folder to use instead of the embedded model")
+    demo.add_argument("--branches", type=int, default=4, help="how many answers to fork (default: 4)")
+    demo.add_argument("--tokens", type=int, default=48, help="at most this many new tokens per answer (default: 48)")
+    demo.add_argument("--checkpoint", default=None,
+                      help="a checkpoint (an HF folder or a GGUF file) to use instead of the default model")
     args = parser.parse_args(argv)
     if args.branches < 1 or args.tokens < 1:
         parser.error("--branches and --tokens must be at least 1")

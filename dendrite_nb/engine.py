@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .attention import BatchLayout, make_backend
+from .chat import NO_PROMPT_AFTER, ChatState, ChatTemplate
 from .constraints import Constraint, parse_constraint
 from .errors import CheckpointError, ConstraintError, ContextOverflow, EmptyBranch, GenerationInterrupted, OutOfBlocks
 from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
@@ -277,28 +278,68 @@ class Engine:
         """Token ids for text (with the tokenizer's BOS when at_start) or checked ids; changes nothing."""
         return self._tokens(content, at_start)
 
-    def decode(self, tokens: Sequence[int]) -> str:
+    def decode(self, tokens: Sequence[int], *, skip_end_tokens: bool = False) -> str:
         """Text of token ids (checked as append checks them: an id outside the vocabulary is refused, not
-        decoded to nothing)."""
+        decoded to nothing). Every id is written out, special tokens included; with skip_end_tokens=True,
+        the end-of-turn / end-of-text tokens (`eos_token_ids`) are left out, as text shown to users is."""
         if isinstance(tokens, str):
             raise TypeError("decode takes token ids; this is a str, which is text already.")
-        return self._detokenize(self._tokens(tokens, at_start=False))
+        if not isinstance(skip_end_tokens, bool):
+            raise ValueError(f"skip_end_tokens must be True or False, got {skip_end_tokens!r}.")
+        return self._detokenize(self._tokens(tokens, at_start=False), skip_end_tokens)
 
-    def _detokenize(self, ids: list[int]) -> str:
+    def _detokenize(self, ids: list[int], skip_end_tokens: bool = False) -> str:
         """Text of ids the engine holds or drew (valid by construction): no per-id check on the step's path."""
         if self.tokenizer is None:
             raise TypeError("this engine has no tokenizer (built from random weights).")
+        if skip_end_tokens:
+            ids = [i for i in ids if i not in self.eos_token_ids]
         return self.tokenizer.decode(ids)
 
     def text(self, branch: BranchRef) -> str:
-        """The branch's whole text, from the root."""
-        return self._detokenize(self.branch_tree.resolve(branch).tokens)
+        """The branch's whole text, from the root, as users read it: without its end-of-turn / end-of-text
+        tokens (a chat holds one per turn). `decode(branch.tokens)` writes every token."""
+        return self._detokenize(self.branch_tree.resolve(branch).tokens, skip_end_tokens=True)
 
     def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's chat template (from tokenizer_config.json)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this checkpoint has no chat template in tokenizer_config.json.")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def chat(self, branch: BranchRef, role: str, content: str, *, generation_prompt: bool | None = None,
+             logprobs: bool = False) -> Branch:
+        """Append one more chat message: exactly the tokens the model's chat template adds for it.
+
+        The first message on a branch starts the conversation as the template does (BOS, a default system
+        prompt). generation_prompt (default: True unless role is 'system' or 'assistant') then opens the
+        assistant's turn; whatever reaches the branch next (generate(), append()) is the assistant's reply,
+        and becomes an assistant message when the next message is added. A conversation built this way is
+        token-identical to `tokenizer.apply_chat_template` on the whole conversation; forks share every
+        earlier turn's KV. A role the template does not know, a conversation it refuses, or an engine without
+        a template raises ChatError; a refused append raises as append does (OutOfBlocks, ContextOverflow);
+        either way nothing changes. logprobs: as in append. The rules: dendrite_nb/chat.py."""
+        resolved = self.branch_tree.resolve(branch)
+        tokens, messages, prompt = self._plan_chat(resolved, role, content, generation_prompt)
+        self.append(resolved, tokens, logprobs=logprobs)
+        resolved.chat = ChatState(messages, len(resolved), prompt)
+        return resolved
+
+    def chat_tokens(self, branch: BranchRef, role: str, content: str, *,
+                    generation_prompt: bool | None = None) -> list[int]:
+        """The token ids chat() would append to `branch` now, checked as chat() checks them; changes nothing."""
+        return self._plan_chat(self.branch_tree.resolve(branch), role, content, generation_prompt)[0]
+
+    def _plan_chat(self, branch: Branch, role: str, content: str,
+                   generation_prompt: bool | None) -> tuple[list[int], tuple[tuple[str, str], ...], bool]:
+        template = ChatTemplate(self.tokenizer, self.eos_token_ids)
+        template.check(role, content, generation_prompt)
+        prompt = role not in NO_PROMPT_AFTER if generation_prompt is None else generation_prompt
+        state = branch.chat
+        # Only the tokens since the last chat call matter to the plan (and whether the branch is empty).
+        tokens = branch.tokens if state is None or state.mark < len(branch) else []
+        planned = template.plan(state, tokens, role, content, prompt, branch.name)
+        return planned.tokens, planned.messages, prompt
 
     # ---- the branch API -----------------------------------------------------------------------
     def new_branch(self, name: str, prompt: TokensLike | None = None, *, seed: int | None = None) -> Branch:

@@ -51,6 +51,11 @@ class ConstraintError(DendriteError, ValueError):
     """A constraint spec (JSON schema, regex, Lark grammar, choices) that is malformed."""
 
 
+class ChatError(DendriteError, ValueError):
+    """A chat message the model's chat template cannot take (a role it does not know, a conversation it
+    refuses), or an engine without a chat template. Nothing was changed."""
+
+
 class GenerationInterrupted(KeyboardInterrupt):
     """Ctrl-C (or a listener raising KeyboardInterrupt) stopped generate at a step boundary.
 
@@ -70,3 +75,15 @@ class GenerationInterrupted(KeyboardInterrupt):
 class SaveFileError(DendriteError, ValueError):
     """A save file that cannot be written (a folder in its place, a path that cannot be a file) or restored here:
     missing, truncated, corrupted, or saved with another model, dtype or block size. Nothing was changed."""
+
+
+class ModelDownloadError(DendriteError):
+    """The default model could not be fetched, or what was fetched failed its pinned checksum. Nothing was cached
+    (a file that failed its checksum was deleted). `reason` says why, `remedy` how to get the model."""
+
+    def __init__(self, model: str, reason: str, remedy: str):
+        self.model, self.reason, self.remedy = model, reason, remedy
+        super().__init__(f"cannot fetch {model}: {reason}. To get it, {remedy}.")
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .chat import ChatState
 from .errors import SaveFileError
 from .kv.tree import RECOMPUTE, Branch, Node
 from .paths import user_path
@@ -92,6 +93,7 @@ def save(engine: Engine, path: str | Path) -> Path:
             "generator": branch.generator is not None,
             "constraint": None if constraint is None else {constraint.kind: _jsonable(constraint.value)},
             "constraint_from": branch.constraint_from, "priority": branch.priority,
+            "chat": None if branch.chat is None else branch.chat._asdict(),
         })
     manifest = {
         "format": FORMAT, "version": VERSION,
@@ -244,6 +246,9 @@ def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.
         node = tree.root if saved["node"] < 0 else nodes[saved["node"]]
         branch = Branch(saved["name"], node, tree, saved["seed"])
         branch.priority = saved["priority"]
+        if saved.get("chat") is not None:   # files saved before chat() existed have no "chat"
+            chat = saved["chat"]
+            branch.chat = ChatState(tuple(map(tuple, chat["messages"])), chat["mark"], chat["generation_prompt"])
         node.branch_names.add(branch.name)
         tree.branches[branch.name] = branch
         if saved["generator"]:

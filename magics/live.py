@@ -79,7 +79,8 @@ class LiveGeneration:
         shown = self.names[:MAX_LINES]
         lines = []
         for name in shown:
-            text = self._engine.decode(self.tokens[name]) if self._engine.tokenizer else str(self.tokens[name])
+            text = (self._engine.decode(self.tokens[name], skip_end_tokens=True) if self._engine.tokenizer
+                    else str(self.tokens[name]))
             mark = " ✓" if name in self.finished else ""
             lines.append((f"{name}{mark}", one_line(text, LINE_WIDTH)))
         if len(self.names) > MAX_LINES:

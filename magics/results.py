@@ -41,12 +41,30 @@ class PrettyByRepr:
 @dataclass(frozen=True, repr=False)
 class Loaded(PrettyByRepr):
     engine: str          # the engine's repr when it was loaded
-    source: str          # checkpoint folder or "demo"
+    source: str          # checkpoint folder or "demo: MODEL (PATH)"
     replaced: str | None  # the engine that was closed to make room, if any
+    fallback: str | None = None  # why a stand-in was loaded instead of the model asked for (the demo's), if so
 
     def __repr__(self) -> str:
+        before = f"{self.fallback}\n" if self.fallback else ""
         note = f"\n(closed and freed the previous engine: {self.replaced})" if self.replaced else ""
-        return f"loaded {self.source}\n{self.engine}{note}"
+        return f"{before}loaded {self.source}\n{self.engine}{note}"
+
+
+@dataclass(frozen=True, repr=False)
+class Reused(PrettyByRepr):
+    """%dendrite demo found its model already loaded: it kept the weights and pruned every branch."""
+
+    engine: str           # the engine's repr after the prune
+    source: str
+    pruned: int           # branches pruned for the fresh start
+    freed_blocks: int
+
+    def __repr__(self) -> str:
+        cleared = (f"pruned its {counted(self.pruned, 'branch')} (freed {counted(self.freed_blocks, 'KV block')}) "
+                   f"for a fresh start" if self.pruned else "it has no branches yet")
+        return (f"reused {self.source}, already loaded in this session: {cleared}; add --replace to load it "
+                f"again\n{self.engine}")
 
 
 @dataclass(frozen=True, repr=False)

@@ -35,7 +35,8 @@ class Autosave:
 class Session:
     def __init__(self):
         self.engine: Engine | None = None
-        self.source: str | None = None           # the checkpoint folder, or "demo"
+        self.source: str | None = None           # the checkpoint folder, or "demo: MODEL (PATH)"
+        self.demo_options: tuple[str, int] | None = None  # (device, num_blocks) of %dendrite demo's engine, else None
         self.history = StepHistory()             # step timings of the latest generation, for %throughput
         self.cell_source: str | None = None      # the raw text of the cell now running (pre_run_cell)
         self.last_result: Any = None             # the last generation's result, kept even when interrupted
@@ -63,12 +64,15 @@ class Session:
     # ---- the engine -----------------------------------------------------------------------------
     def require_engine(self) -> Engine:
         if self.engine is None:
-            raise UsageError("no model is loaded in this kernel; run `%dendrite demo` (the embedded tiny model) "
+            raise UsageError("no model is loaded in this kernel; run `%dendrite demo` (the default model) "
                              "or `%dendrite load PATH` first.")
         return self.engine
 
-    def install(self, engine: Engine, source: str, replace: bool) -> Engine | None:
-        """Make `engine` the session's engine. Returns the engine it replaced (already closed), if any."""
+    def install(self, engine: Engine, source: str, replace: bool,
+                demo_options: tuple[str, int] | None = None) -> Engine | None:
+        """Make `engine` the session's engine. Returns the engine it replaced (already closed), if any.
+        demo_options: the (device, num_blocks) %dendrite demo loaded it with, so a second %dendrite demo asking
+        for the same can reuse it."""
         try:
             self.check_can_load(replace)
         except UsageError:
@@ -80,7 +84,7 @@ class Session:
             self._subscription.close()
             old.close()
             gc.collect()
-        self.engine, self.source = engine, source
+        self.engine, self.source, self.demo_options = engine, source, demo_options
         self.history = StepHistory()
         self._subscription = engine.subscribe(self.history)
         return old

@@ -27,8 +27,9 @@ def show_branch(engine: Engine, branch: Branch) -> Shown:
     path.reverse()
     tokens = branch.tokens
     # Decode prefixes, not pieces: a character split over two nodes' tokens must not turn into two
-    # replacement characters.
-    prefix_texts = [engine.decode(tokens[:n.start]) for n in path] + [engine.decode(tokens)]
+    # replacement characters. End-of-turn tokens are left out, as in engine.text.
+    prefix_texts = ([engine.decode(tokens[:n.start], skip_end_tokens=True) for n in path]
+                    + [engine.decode(tokens, skip_end_tokens=True)])
     segments = []
     for index, node in enumerate(path):
         next_node = path[index + 1] if index + 1 < len(path) else None

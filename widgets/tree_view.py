@@ -87,7 +87,8 @@ class TreeView(EngineView):
             nodes.append({
                 "id": node["id"], "parent": node["parent"], "label": node_label(node),
                 "branches": node["branches"], "start": node["start"], "num_tokens": node["num_tokens"],
-                "state": state, "tail": engine.decode(node["tokens"][-TAIL_TOKENS:]) if engine.tokenizer else "",
+                "state": state,
+                "tail": engine.decode(node["tokens"][-TAIL_TOKENS:], skip_end_tokens=True) if engine.tokenizer else "",
                 "mean_logprob": node["mean_logprob"],
                 "constraints": [f"{name}: {info['constraint']}{' (complete)' if info['constraint_complete'] else ''}"
                                 for name in node["branches"]

@@ -75,7 +75,7 @@ class Branch:
     """A named, movable pointer to a node. Handles go stale when the branch is pruned."""
 
     __slots__ = ("name", "node", "_seed", "_seed_base", "generator", "constraint", "matcher", "constraint_from",
-                 "priority", "_tree")
+                 "priority", "chat", "_tree")
 
     def __init__(self, name: str, node: Node, tree: BranchTree, seed: int | None = 0, seed_base: int = 0):
         # Branch.forks sets these same fields without calling __init__: a new field goes in both.
@@ -88,11 +88,15 @@ class Branch:
         self.matcher = None     # its llguidance matcher: the grammar position after the branch's tokens
         self.constraint_from = 0  # the branch length when the constraint was attached (what the matcher consumed since)
         self.priority = 0.0  # generate(max_batch=...) decodes higher priorities first; forks inherit it
+        # The conversation Engine.chat built here (an immutable chat.ChatState), or None. It lives on the branch,
+        # as the constraint does, so that a fork shares it by reference and stays O(1).
+        self.chat = None
 
     @classmethod
-    def forks(cls, names: list[str], node: Node, tree: BranchTree, seed_base: int, priority: float) -> list[Branch]:
-        """`Branch(name, node, tree, None, seed_base)` at `priority` for each name, without an __init__ call
-        per branch: making the branches is most of what a 1,000-child fork costs."""
+    def forks(cls, names: list[str], node: Node, tree: BranchTree, seed_base: int, priority: float,
+              chat: Any = None) -> list[Branch]:
+        """`Branch(name, node, tree, None, seed_base)` at `priority` and with the parent's `chat` for each name,
+        without an __init__ call per branch: making the branches is most of what a 1,000-child fork costs."""
         new, children = object.__new__, []
         append = children.append
         for name in names:
@@ -107,6 +111,7 @@ class Branch:
             child.matcher = None
             child.constraint_from = 0
             child.priority = priority
+            child.chat = chat
             append(child)
         return children
 
@@ -303,10 +308,10 @@ class BranchTree:
 
     def fork(self, branch: Branch, names: list[str]) -> list[Branch]:
         """New names on the branch's node: O(1) in context length. Each child's seed derives from the
-        parent's seed and the child's name; each child starts at the parent's priority."""
+        parent's seed and the child's name; each child starts at the parent's priority and conversation."""
         unique = self.check_new_names(names)
         node = branch.node
-        children = Branch.forks(names, node, self, branch.seed, branch.priority)
+        children = Branch.forks(names, node, self, branch.seed, branch.priority, branch.chat)
         node.branch_names |= unique
         self.branches.update(zip(names, children))
         return children
