@@ -23,7 +23,7 @@ from jupyter_client.manager import KernelManager
 
 from dendrite_nb.magics.nbval_plugin import execute_request_metadata
 
-TIMEOUT_S = 120
+TIMEOUT_S = 600  # a cell may run minutes without printing (the self-consistency samples)
 
 
 def run_cell(kc, cell, displays: dict) -> tuple[list, bool]:
