@@ -321,8 +321,13 @@ class Engine:
         either way nothing changes. logprobs: as in append. The rules: dendrite_nb/chat.py."""
         resolved = self.branch_tree.resolve(branch)
         tokens, messages, prompt = self._plan_chat(resolved, role, content, generation_prompt)
-        self.append(resolved, tokens, logprobs=logprobs)
-        resolved.chat = ChatState(messages, len(resolved), prompt)
+        # The message's tokens and the conversation that records them land together: a Ctrl-C between the two
+        # would leave the message counted as the assistant's reply. It is raised once both are in place.
+        with DeferredInterrupt() as interrupt:
+            self.append(resolved, tokens, logprobs=logprobs)
+            resolved.chat = ChatState(messages, len(resolved), prompt)
+        if interrupt.pending:
+            raise KeyboardInterrupt
         return resolved
 
     def chat_tokens(self, branch: BranchRef, role: str, content: str, *,

@@ -364,6 +364,37 @@ def test_a_refused_append_leaves_the_conversation_as_it_was(folders):
     eng.audit()
 
 
+def test_ctrl_c_during_a_chat_append_lands_after_the_message_and_its_state(eng, monkeypatch):
+    """A real SIGINT that arrives while chat() appends is raised once the tokens and the conversation state are
+    both in place, so the next message sees the conversation as the branch holds it."""
+    import os
+    import signal
+
+    branch = eng.new_branch("talk")
+    expected = eng.chat_tokens(branch, "user", "Hi")
+    append = eng.append
+
+    def append_then_interrupt(*args, **kwargs):
+        result = append(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)   # delivered at once, between the append and the state update
+        return result
+
+    monkeypatch.setattr(eng, "append", append_then_interrupt)
+    # A process started in the background may ignore SIGINT; this test needs Python's own handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            eng.chat(branch, "user", "Hi")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert branch.tokens == expected and branch.chat.mark == len(branch) and branch.chat.generation_prompt
+    monkeypatch.undo()
+    eng.append(branch, encode(eng, "Hello."))
+    eng.chat(branch, "user", "Bye")
+    assert branch.chat.messages[-2:] == (("assistant", "Hello."), ("user", "Bye"))
+    eng.audit()
+
+
 def test_save_and_restore_keep_the_conversation(eng, tmp_path):
     branch = eng.new_branch("talk")
     eng.chat(branch, "user", "Hi")
