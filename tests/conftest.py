@@ -97,3 +97,17 @@ def interrupt_forward_call(monkeypatch, eng, call: int) -> None:
         return real_forward(self, *args)
 
     monkeypatch.setattr(type(eng.model), "forward", flaky_forward)
+
+
+def install_in_session(engine, source="test"):
+    """Close the notebook session's engine (and its views), then make `engine` the session's, as a fresh kernel
+    would hold it: no autosave."""
+    from dendrite_nb.magics import current_session
+
+    session = current_session()
+    if session.engine is not None:
+        session.close_views()
+        session.engine.close()
+    session.engine = None
+    session.autosave = None
+    session.install(engine, source, False)

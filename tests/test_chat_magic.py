@@ -6,7 +6,7 @@ from IPython.core.error import UsageError
 from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.magics import current_engine, current_session
 from chat_checkpoints import write_chat_checkpoint
-from conftest import engine_state
+from conftest import engine_state, install_in_session
 from test_magics import magic, shell  # noqa: F401  (the module's shell fixture)
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -21,13 +21,7 @@ def folder(checkpoint, tmp_path_factory):
 @pytest.fixture
 def ip(shell, folder):  # noqa: F811
     """The shell with a fresh engine on a tiny checkpoint carrying Qwen2.5's published chat template."""
-    session = current_session()
-    if session.engine is not None:
-        session.close_views()
-        session.engine.close()
-    session.engine = None
-    session.autosave = None
-    session.install(Engine.from_pretrained(folder, num_blocks=256, block_size=4, debug=True), "test", False)
+    install_in_session(Engine.from_pretrained(folder, num_blocks=256, block_size=4, debug=True))
     return shell
 
 

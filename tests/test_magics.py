@@ -11,7 +11,7 @@ from IPython.utils.capture import capture_output
 
 from dendrite_nb import DecodeStep, Engine, GenerationInterrupted, SamplingParams
 from dendrite_nb.magics import current_engine, current_session
-from conftest import engine_state
+from conftest import engine_state, install_in_session
 
 PROMPT = "The river is wide and cold. First idea:"
 
@@ -26,13 +26,7 @@ def shell():
 @pytest.fixture
 def ip(shell, checkpoint):
     """The shell with a fresh small engine on the tiny test checkpoint, a prompt in branch 'root', no autosave."""
-    session = current_session()
-    if session.engine is not None:
-        session.close_views()
-        session.engine.close()
-    session.engine = None
-    session.autosave = None
-    session.install(Engine.from_pretrained(checkpoint(), num_blocks=48, block_size=4, debug=True), "test", False)
+    install_in_session(Engine.from_pretrained(checkpoint(), num_blocks=48, block_size=4, debug=True))
     shell.run_cell_magic("branch", "root", PROMPT + "\n")
     shell.user_ns.pop("my_schema", None)
     return shell
