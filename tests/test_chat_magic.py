@@ -4,7 +4,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from dendrite_nb import Engine, SamplingParams
-from dendrite_nb.magics import current_engine, current_session
+from dendrite_nb.magics import current_engine
 from chat_checkpoints import write_chat_checkpoint
 from conftest import engine_state, install_in_session
 from test_magics import magic, shell  # noqa: F401  (the module's shell fixture)
