@@ -18,8 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-import tokenizers
-import transformers
+from importlib.metadata import version
 
 from ..errors import CheckpointError
 from ..paths import default_cache_dir
@@ -36,7 +35,8 @@ def cache_root() -> Path:
 def cache_key(metadata: bytes | memoryview) -> str:
     """SHA-256 of the file's metadata bytes and of the code that turns them into a tokenizer."""
     digest = hashlib.sha256(metadata)
-    digest.update(f"|{_CACHE_FORMAT}|{transformers.__version__}|{tokenizers.__version__}".encode())
+    # Versions read from the installed metadata: importing transformers here would add ~1 s to `import dendrite_nb`.
+    digest.update(f"|{_CACHE_FORMAT}|{version('transformers')}|{version('tokenizers')}".encode())
     return digest.hexdigest()
 
 
