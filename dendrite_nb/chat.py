@@ -26,7 +26,7 @@ second sequence-start BOS.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from .errors import ChatError
 
@@ -97,7 +97,10 @@ def template_roles(source: str) -> frozenset[str]:
 class ChatTemplate:
     """A tokenizer's chat template, rendered and tokenized as `apply_chat_template(tokenize=True)` does."""
 
-    def __init__(self, tokenizer: Any, end_token_ids: frozenset[int]):
+    def __init__(self, tokenizer: Any, end_token_ids: frozenset[int],
+                 check_text: Callable[[str], None] | None = None):
+        """check_text(text) runs before each text to append is tokenized, and raises to refuse it (the engine's
+        refuses text that cannot fit the branch, which a 5 MB message would otherwise take seconds to find)."""
         from jinja2 import TemplateError
 
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -108,7 +111,7 @@ class ChatTemplate:
                             f"tokenizer.chat_template), or append text you format yourself with append().")
         if not isinstance(tokenizer.chat_template, str):
             raise ChatError("this tokenizer has several named chat templates; chat() needs a single default one.")
-        self.tokenizer, self.end_token_ids = tokenizer, end_token_ids
+        self.tokenizer, self.end_token_ids, self.check_text = tokenizer, end_token_ids, check_text
         try:
             self.roles = template_roles(tokenizer.chat_template)
         except TemplateError as error:
@@ -140,6 +143,9 @@ class ChatTemplate:
                             f"conversation (many templates want user and assistant to alternate).") from None
 
     def encode(self, text: str) -> list[int]:
+        """The ids of text the message appends."""
+        if self.check_text is not None:
+            self.check_text(text)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:

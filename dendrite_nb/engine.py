@@ -1,8 +1,9 @@
 """The engine: one model, one KV pool and one branch tree for the life of a notebook kernel.
 
 Every public call validates all of its input before it touches the tree, so a bad call raises a
-typed error and leaves the tree, the refcounts and the free blocks exactly as they were. A forward
-that fails (or is interrupted) undoes the appends it made.
+typed error and leaves the tree, the refcounts and the free blocks exactly as they were. Beyond that,
+every public call runs through engine_calls.engine_call: one thread at a time, Ctrl-C only at safe points,
+and all or nothing (the journal of kv/journal.py undoes whatever a failed call changed).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import numbers
 import os
 import time
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -19,11 +21,12 @@ import torch
 from .attention import BatchLayout, make_backend
 from .chat import NO_PROMPT_AFTER, ChatState, ChatTemplate
 from .constraints import Constraint, parse_constraint
+from .engine_calls import EngineCalls, engine_call
 from .errors import CheckpointError, ConstraintError, ContextOverflow, EmptyBranch, GenerationInterrupted, OutOfBlocks
 from .events import DecodeStep, Event, Listener, Subscription, TreeChanged
 from .forward import ForwardRunner, PlannedForward
-from .interrupts import DeferredInterrupt
 from .kv import AppendRecord, Branch, BranchTree, KVPool
+from .kv.journal import restore_attrs
 from .kv.tree import RECOMPUTE
 from .model.config import ModelConfig
 from .model.gguf import find_gguf, load_gguf
@@ -32,6 +35,7 @@ from .model.transformer import CausalLM
 from .paths import user_path
 from .sampling import SamplingParams, check_seed, derive_seed, sample, token_logprobs
 from .snapshot import block_snapshot, tree_snapshot
+from .token_bound import TokenBound, token_bound
 from .wording import counted
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,17 +84,20 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 def is_count(value: Any) -> bool:
-    """A positive int. A bool is not a count, though Python makes it an int."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    """A positive integer: an int, or any other Integral such as numpy's (callers make it an int before use). A
+    bool is not a count, though Python makes it an int."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
-def check_pool_options(block_size: Any = 16, num_blocks: Any = None) -> None:
-    """Raise ValueError on a pool size torch could not allocate, before any weight is loaded."""
+def check_pool_options(block_size: Any = 16, num_blocks: Any = None) -> tuple[int, int | None]:
+    """Raise ValueError on a pool size torch could not allocate, before any weight is loaded; returns the sizes as
+    plain ints."""
     if not is_count(block_size):
         raise ValueError(f"block_size must be a positive int (tokens per KV block), got {block_size!r}.")
     if num_blocks is not None and not is_count(num_blocks):
         raise ValueError(f"num_blocks must be a positive int (KV blocks in the pool) or None (fit the device), "
                          f"got {num_blocks!r}.")
+    return int(block_size), None if num_blocks is None else int(num_blocks)
 
 
 def fused_kernels_available(device: torch.device) -> bool:
@@ -126,13 +133,14 @@ class Engine:
                  kv_dtype: str | torch.dtype | None = None, block_size: int = 16, num_blocks: int | None = None,
                  attention: str = "auto", seed: int = 0, debug: bool = False, prefill_chunk_tokens: int | None = None,
                  cuda_graphs: bool | None = None):
+        check_seed(seed)  # as a branch's seed is checked: it seeds every branch's generator
         self.model, self.tokenizer, self.config = model, tokenizer, model.config
         # Where the weights came from and how this engine was built: what save() records so restore() can
         # rebuild it. from_pretrained / from_random fill `source`; an engine built around a model object has none.
         self.source: dict[str, Any] | None = None
         self.options = {"attention": attention, "seed": seed, "prefill_chunk_tokens": prefill_chunk_tokens,
                         "debug": debug}
-        check_pool_options(block_size, num_blocks)
+        block_size, num_blocks = check_pool_options(block_size, num_blocks)
         self.device = parse_device(device)
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = parse_dtype(kv_dtype, KV_DTYPES, "kv_dtype") if kv_dtype is not None else self.dtype
@@ -155,6 +163,8 @@ class Engine:
         # Preempted KV beyond this many host bytes is dropped and recomputed on resume (None: half the free RAM).
         self.host_memory_limit_bytes: int | None = None
         self.branch_tree = BranchTree(self.pool.allocator, block_size)
+        self._journal = self.branch_tree.journal
+        self._calls = EngineCalls(self._journal)
         self.seed = seed
         eos = set(self.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -205,6 +215,7 @@ class Engine:
         from transformers import AutoTokenizer
 
         check_pool_options(options.get("block_size", 16), options.get("num_blocks"))  # before the weights load
+        check_seed(options.get("seed", 0))
         device = parse_device(device)
         folder = user_path(path)
         gguf_file = find_gguf(folder)
@@ -229,6 +240,7 @@ class Engine:
         """Random weights for an HF config dict, built in memory; token ids only (no tokenizer)."""
         config = ModelConfig.from_hf(hf_config)
         check_pool_options(options.get("block_size", 16), options.get("num_blocks"))
+        check_seed(options.get("seed", 0))
         device = parse_device(device)
         model = random_model(config, device, parse_dtype(dtype), weight_seed)
         engine = cls(model, None, device=device, **options)
@@ -247,10 +259,26 @@ class Engine:
         return max(1, budget // bytes_per_block)
 
     # ---- text ---------------------------------------------------------------------------------
-    def _tokens(self, content: TokensLike, at_start: bool) -> list[int]:
+    @cached_property
+    def _token_bound(self) -> TokenBound | None:
+        """The fewest tokens a text can encode to with this tokenizer (token_bound.py), worked out on first need."""
+        return token_bound(self.tokenizer)
+
+    def _check_text_fits(self, text: str, name: str, have: int) -> None:
+        """Raise ContextOverflow, before `text` is tokenized, if its length alone says that its tokens cannot fit
+        branch `name`, which holds `have` tokens."""
+        # The bound never exceeds the text's length, so text no longer than the room skips it.
+        if len(text) > self.config.max_position_embeddings - have and self._token_bound is not None:
+            self._check_context(name, have, self._token_bound.fewest_tokens(text), at_least=True)
+
+    def _tokens(self, content: TokensLike, at_start: bool, onto: tuple[str, int] | None = None) -> list[int]:
+        """Token ids of text or checked ids. onto: (branch name, its length) when they are to go onto that branch;
+        text that cannot fit then raises ContextOverflow from its length alone, before it is tokenized."""
         if isinstance(content, str):
             if self.tokenizer is None:
                 raise TypeError("this engine has no tokenizer (built from random weights); pass token ids.")
+            if onto is not None:
+                self._check_text_fits(content, *onto)
             bos = self.tokenizer.bos_token
             # Chat templates already write BOS; adding another would put two at the start.
             add_special = at_start and not (bos and content.startswith(bos))
@@ -296,6 +324,7 @@ class Engine:
             ids = [i for i in ids if i not in self.eos_token_ids]
         return self.tokenizer.decode(ids)
 
+    @engine_call
     def text(self, branch: BranchRef) -> str:
         """The branch's whole text, from the root, as users read it: without its end-of-turn / end-of-text
         tokens (a chat holds one per turn). `decode(branch.tokens)` writes every token."""
@@ -307,6 +336,7 @@ class Engine:
             raise ValueError("this checkpoint has no chat template in tokenizer_config.json.")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+    @engine_call
     def chat(self, branch: BranchRef, role: str, content: str, *, generation_prompt: bool | None = None,
              logprobs: bool = False) -> Branch:
         """Append one more chat message: exactly the tokens the model's chat template adds for it.
@@ -321,15 +351,13 @@ class Engine:
         either way nothing changes. logprobs: as in append. The rules: dendrite_nb/chat.py."""
         resolved = self.branch_tree.resolve(branch)
         tokens, messages, prompt = self._plan_chat(resolved, role, content, generation_prompt)
-        # The message's tokens and the conversation that records them land together: a Ctrl-C between the two
-        # would leave the message counted as the assistant's reply. It is raised once both are in place.
-        with DeferredInterrupt() as interrupt:
-            self.append(resolved, tokens, logprobs=logprobs)
-            resolved.chat = ChatState(messages, len(resolved), prompt)
-        if interrupt.pending:
-            raise KeyboardInterrupt
+        # The message's tokens and the conversation that records them land together (engine_call: all or nothing).
+        self.append(resolved, tokens, logprobs=logprobs)
+        self._journal.log(restore_attrs, resolved, {"chat": resolved.chat})
+        resolved.chat = ChatState(messages, len(resolved), prompt)
         return resolved
 
+    @engine_call
     def chat_tokens(self, branch: BranchRef, role: str, content: str, *,
                     generation_prompt: bool | None = None) -> list[int]:
         """The token ids chat() would append to `branch` now, checked as chat() checks them; changes nothing."""
@@ -337,7 +365,8 @@ class Engine:
 
     def _plan_chat(self, branch: Branch, role: str, content: str,
                    generation_prompt: bool | None) -> tuple[list[int], tuple[tuple[str, str], ...], bool]:
-        template = ChatTemplate(self.tokenizer, self.eos_token_ids)
+        template = ChatTemplate(self.tokenizer, self.eos_token_ids,
+                                lambda text: self._check_text_fits(text, branch.name, len(branch)))
         template.check(role, content, generation_prompt)
         prompt = role not in NO_PROMPT_AFTER if generation_prompt is None else generation_prompt
         state = branch.chat
@@ -347,23 +376,21 @@ class Engine:
         return planned.tokens, planned.messages, prompt
 
     # ---- the branch API -----------------------------------------------------------------------
+    @engine_call
     def new_branch(self, name: str, prompt: TokensLike | None = None, *, seed: int | None = None) -> Branch:
         """A new branch from the empty root, prefilled with `prompt` (text gets the tokenizer's BOS)."""
         self.branch_tree.check_new_names([name])
         if seed is not None:
             check_seed(seed)
-        tokens = self._tokens(prompt, at_start=True) if prompt is not None else []
+        tokens = self._tokens(prompt, at_start=True, onto=(name, 0)) if prompt is not None else []
         self._check_context(name, 0, len(tokens))
         branch = self.branch_tree.add_branch(name, seed=derive_seed(self.seed, name) if seed is None else seed)
-        try:
-            if tokens:
-                self._prefill([(branch, tokens)])
-        except BaseException:
-            self.branch_tree.prune(branch)
-            raise
-        self._emit(TreeChanged("new_branch", (name,)))
+        if tokens:
+            self._prefill([(branch, tokens)])
+        self._calls.events.append(TreeChanged("new_branch", (name,)))
         return branch
 
+    @engine_call
     def append(self, branch: BranchRef, content: TokensLike, *, logprobs: bool = False) -> Branch:
         """Prefill text or token ids onto the end of a branch (one forward per chunk).
 
@@ -372,6 +399,7 @@ class Engine:
         forked from one question. A branch's very first token has nothing before it and gets none."""
         return self.append_many([(branch, content)], logprobs=logprobs)[0]
 
+    @engine_call
     def append_many(self, items: Iterable[tuple[BranchRef, TokensLike]], *, logprobs: bool = False) -> list[Branch]:
         """Prefill several branches together, in shared forwards; all or nothing. logprobs: as in append."""
         if not isinstance(logprobs, bool):
@@ -382,7 +410,7 @@ class Engine:
                 raise TypeError(f"append_many takes (branch, content) pairs, got {item!r}.")
             ref, content = item
             branch = self.branch_tree.resolve(ref)
-            pairs.append((branch, self._tokens(content, at_start=len(branch) == 0)))
+            pairs.append((branch, self._tokens(content, at_start=len(branch) == 0, onto=(branch.name, len(branch)))))
         self._check_unique([b for b, _ in pairs])
         for branch, tokens in pairs:
             self._check_context(branch.name, len(branch), len(tokens))
@@ -393,11 +421,13 @@ class Engine:
         self._prefill([(b, t) for b, t in pairs if t], logprobs)
         for branch, tokens in pairs:
             if branch.matcher is not None:
+                self._journal.log(restore_attrs, branch, {"matcher": branch.matcher.deep_copy()})
                 branch.matcher.consume_tokens(tokens)
-        self._emit(TreeChanged("append", tuple(b.name for b, _ in pairs)))
+        self._calls.events.append(TreeChanged("append", tuple(b.name for b, _ in pairs)))
         return [b for b, _ in pairs]
 
     # ---- constraints ------------------------------------------------------------------------------
+    @engine_call
     def constrain(self, branch: BranchRef, spec: dict[str, Any] | Constraint | None) -> Constraint | None:
         """Decode `branch` under a constraint from now on ({"json_schema": ...}, {"regex": ...},
         {"grammar": <Lark>}, {"choices": [...]}), starting at the grammar's beginning; None removes it.
@@ -406,6 +436,7 @@ class Engine:
         resolved = self.branch_tree.resolve(branch)
         constraint = spec if isinstance(spec, Constraint) or spec is None else parse_constraint(spec)
         if constraint is None:
+            self._journal.log(restore_attrs, resolved, {"constraint": resolved.constraint, "matcher": resolved.matcher})
             resolved.constraint = resolved.matcher = None
         else:
             self._attach([resolved], constraint)
@@ -424,16 +455,19 @@ class Engine:
         """Put each branch at the start of the constraint's grammar: one compile, then copies."""
         first = self._start_grammar(constraint)   # raises before any branch changes
         for index, branch in enumerate(branches):
+            self._journal.log(restore_attrs, branch, {"constraint": branch.constraint, "matcher": branch.matcher,
+                                                      "constraint_from": branch.constraint_from})
             branch.constraint, branch.matcher = constraint, first if index == 0 else first.deep_copy()
             branch.constraint_from = len(branch)
 
+    @engine_call
     def fork(self, branch: BranchRef, n: int | None = None, *, names: Sequence[str] | None = None) -> list[Branch]:
         """New branches at the same node: O(1) in context length; no KV block is touched."""
         parent = self.branch_tree.resolve(branch)
         if names is None:
             if not is_count(n) or n > MAX_FORK:
                 raise ValueError(f"fork needs n >= 1 (an int, at most {MAX_FORK:,}) or names=[...], got n={n!r}.")
-            names = self._child_names(parent.name, n)
+            names = self._child_names(parent.name, int(n))  # numpy's ints too
         elif isinstance(names, str):
             raise TypeError(f"names must be a list of names, got the string {names!r}.")
         elif n is not None and n != len(names):
@@ -441,20 +475,22 @@ class Engine:
         names = list(names)
         if not names:
             raise ValueError("fork needs at least one name.")
-        children = self.branch_tree.fork(parent, names)
+        children = self.branch_tree.fork(parent, names)   # new branches: dropped whole if the call fails
         if parent.matcher is not None:  # each child continues the grammar from the same position, on its own
             for child in children:
                 child.constraint, child.matcher = parent.constraint, parent.matcher.deep_copy()
                 child.constraint_from = parent.constraint_from
-        self._emit(TreeChanged("fork", (parent.name, *names)))
+        self._calls.events.append(TreeChanged("fork", (parent.name, *names)))
         return children
 
+    @engine_call
     def set_priority(self, branches: BranchRef | Sequence[BranchRef], priority: float) -> None:
         """Rank branches for generate(max_batch=...): higher runs first. Forks inherit their parent's."""
         resolved = self._resolve_list(branches)
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
             raise ValueError(f"a priority is a finite number, got {priority!r}.")
         for branch in resolved:
+            self._journal.log(restore_attrs, branch, {"priority": branch.priority})
             branch.priority = float(priority)
 
     def _child_names(self, parent: str, count: int) -> list[str]:
@@ -472,15 +508,17 @@ class Engine:
             start += count
         return names[:count]
 
+    @engine_call
     def prune(self, *branches: BranchRef | Sequence[BranchRef]) -> int:
         """Remove branches; frees the blocks nothing else reaches. Returns how many blocks were freed."""
         flat = [b for item in branches for b in (item if isinstance(item, (list, tuple)) else [item])]
         resolved = [self.branch_tree.resolve(b) for b in flat]
         self._check_unique(resolved)
         freed = sum(len(self.branch_tree.prune(b)) for b in resolved)
-        self._emit(TreeChanged("prune", tuple(b.name for b in resolved)))
+        self._calls.events.append(TreeChanged("prune", tuple(b.name for b in resolved)))
         return freed
 
+    @engine_call
     def next_logits(self, branches: BranchRef | Sequence[BranchRef]) -> torch.Tensor:
         """float32 logits [B, vocab] for the token after each branch's end; appends nothing."""
         resolved = self._resolve_list(branches)
@@ -491,6 +529,7 @@ class Engine:
     def _logits(self, branches: list[Branch]) -> torch.Tensor:
         return self.model.logits(self._runner.hidden_of([b.node for b in branches]))
 
+    @engine_call
     def generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int = 32,
                  sampling: SamplingParams | None = None,
                  constraint: dict[str, Any] | Constraint | None = None,
@@ -518,86 +557,90 @@ class Engine:
         if constraint is not None and not isinstance(constraint, Constraint):
             constraint = parse_constraint(constraint)   # validated once, however many branches it goes to
         resolved = self.check_generate(branches, max_new_tokens, sampling, constraint)
+        max_new_tokens = int(max_new_tokens)  # numpy's ints too; events and errors carry it as an int
         if max_batch is not None and not is_count(max_batch):
             raise ValueError(f"max_batch must be a positive int (branches per step), got {max_batch!r}.")
         if not isinstance(logprobs, bool):
             raise ValueError(f"logprobs must be True or False, got {logprobs!r}.")
+        outputs: list[list[int]] = [[] for _ in resolved]
+        limit = len(resolved) if max_batch is None else int(max_batch)
+        groups = self._tree_order(resolved) if limit < len(resolved) else None  # only a limited batch picks
+        pending = list(range(len(resolved)))  # branches still to decode, in the call's order
+        # First, while nothing awaits undo: making room preempts other branches and commits (see _make_room).
+        active = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
         if constraint is not None:
             self._attach(resolved, constraint)
-        # Fixed for the whole call (nothing can constrain a branch mid-call): unconstrained calls skip it all.
-        constrained = any(b.matcher is not None for b in resolved)
         # Greedy steps draw no noise, so an unseeded greedy call leaves each branch's generator unmade until a
         # sampled call needs it (made then from the same seed, in the same state). Making 1,000 took 7 ms.
         draws = not sampling.greedy or sampling.seed is not None
         generators = [self._generator(b, sampling.seed) for b in resolved] if draws else [None] * len(resolved)
         stop_window = max((len(s.encode()) for s in sampling.stop), default=0)
-        outputs: list[list[int]] = [[] for _ in resolved]
-        limit = len(resolved) if max_batch is None else max_batch
-        groups = self._tree_order(resolved) if limit < len(resolved) else None  # only a limited batch picks
-        pending = list(range(len(resolved)))  # branches still to decode, in the call's order
-        active = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
         max_steps = max_new_tokens * -(-len(resolved) // limit)  # exact when priorities do not change mid-call
         steps_done, masks = 0, None
         try:
-            with DeferredInterrupt() as interrupt:
-                logits = self._logits([resolved[i] for i in active])
+            # Re-read at every step boundary: a listener may constrain a branch, or lift its constraint.
+            constrained = any(b.matcher is not None for b in resolved)
+            logits = self._logits([resolved[i] for i in active])
+            masks = self._start_masks(resolved, active) if constrained else None
+            for step in itertools.count():
+                started = time.perf_counter()
+                histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
+                             if sampling.repetition_penalty != 1.0 else None)
+                # Planned while the GPU still computes these logits (and the forward before them).
+                planned = self._prepare_decode([resolved[i] for i in active])
+                # Before the mask, which writes -inf in place; the sampled token's own logit it leaves.
+                normaliser = torch.logsumexp(logits, dim=-1) if logprobs else None
+                if masks is not None:
+                    self._guidance.apply(logits, masks[0], masks[1].result())
+                sampled = sample(logits, sampling, [generators[i] for i in active], histories)
+                picked = token_logprobs(logits, sampled, normaliser) if logprobs else None
+                # The forward starts on the device's tokens; the host reads them while it runs.
+                drawn, drawn_logprobs = self._finish_decode(planned, sampled, picked)
+                # Constrained matchers advance now, so the next step's masks fill during the forward.
+                if constrained:
+                    self._advance_matchers([resolved[i] for i in active], drawn)
+                self._journal.commit()   # the step is done: it stays, whatever happens next
+                finished, done = [], set()  # finished: stopped by EOS, a stop string or a complete grammar
+                for i, token in zip(active, drawn):
+                    outputs[i].append(token)
+                    matcher = resolved[i].matcher
+                    if self._finished(outputs[i], sampling, stop_window) or (matcher is not None
+                                                                              and matcher.is_stopped()):
+                        finished.append(i)
+                        done.add(i)
+                    elif len(outputs[i]) == max_new_tokens:
+                        done.add(i)
+                steps_done += 1
+                pending = [i for i in pending if i not in done]
+                # Listeners run at the boundary, before the next masks start to fill: a fill borrows its matchers
+                # (mutably, in llguidance) until it ends, and a listener may read them (a view's tree()), fork,
+                # prune, re-rank or constrain branches; all of it takes effect from the next step.
+                if self._listeners:
+                    self._calls.deliver(self._emit, DecodeStep(
+                        step, max_steps, tuple(resolved[i].name for i in active), tuple(drawn),
+                        tuple(resolved[i].name for i in finished), time.perf_counter() - started, drawn_logprobs))
+                    live = self.branch_tree.branches
+                    pending = [i for i in pending if live.get(resolved[i].name) is resolved[i]]  # pruned: out
+                    constrained = any(resolved[i].matcher is not None for i in pending)
+                self._calls.check_interrupt()   # Ctrl-C during the step stops here, at its end (the last one too)
+                if not pending:
+                    break
+                active = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
                 masks = self._start_masks(resolved, active) if constrained else None
-                for step in itertools.count():
-                    started = time.perf_counter()
-                    histories = ([self.branch_tree.path_tokens(resolved[i].node) for i in active]
-                                 if sampling.repetition_penalty != 1.0 else None)
-                    # Planned while the GPU still computes these logits (and the forward before them).
-                    planned = self._prepare_decode([resolved[i] for i in active])
-                    try:
-                        # Before the mask, which writes -inf in place; the sampled token's own logit it leaves.
-                        normaliser = torch.logsumexp(logits, dim=-1) if logprobs else None
-                        if masks is not None:
-                            self._guidance.apply(logits, masks[0], masks[1].result())
-                        sampled = sample(logits, sampling, [generators[i] for i in active], histories)
-                        picked = token_logprobs(logits, sampled, normaliser) if logprobs else None
-                    except BaseException:
-                        self._undo(planned.records)
-                        raise
-                    # The forward starts on the device's tokens; the host reads them while it runs (undone on failure).
-                    drawn, drawn_logprobs = self._finish_decode(planned, sampled, picked)
-                    # Constrained matchers advance now, so the next step's masks fill during the forward.
-                    if constrained:
-                        self._advance_matchers([resolved[i] for i in active], drawn)
-                    finished, done = [], set()  # finished: stopped by EOS, a stop string or a complete grammar
-                    for i, token in zip(active, drawn):
-                        outputs[i].append(token)
-                        matcher = resolved[i].matcher
-                        if self._finished(outputs[i], sampling, stop_window) or (matcher is not None
-                                                                                  and matcher.is_stopped()):
-                            finished.append(i)
-                            done.add(i)
-                        elif len(outputs[i]) == max_new_tokens:
-                            done.add(i)
-                    steps_done += 1
-                    pending = [i for i in pending if i not in done]
-                    # Listeners run before the next masks start to fill: a fill borrows its matchers (mutably,
-                    # in llguidance) until it ends, and a listener may read them (a view's tree()) or fork
-                    # their branches. A listener may also re-rank the branches for the schedule below.
-                    if self._listeners:
-                        self._emit(DecodeStep(step, max_steps, tuple(resolved[i].name for i in active),
-                                              tuple(drawn), tuple(resolved[i].name for i in finished),
-                                              time.perf_counter() - started, drawn_logprobs))
-                    if not pending:
-                        break
-                    if interrupt.pending:  # Ctrl-C arrived during the step; stop here, at its boundary
-                        raise KeyboardInterrupt
-                    active = self._fit(resolved, self._schedule(resolved, pending, limit, groups))
-                    masks = self._start_masks(resolved, active) if constrained else None
-                    logits = self._logits([resolved[i] for i in active])
-        except GenerationInterrupted:
-            raise
-        except KeyboardInterrupt as interrupted:
-            raise GenerationInterrupted(outputs, steps_done, max_new_tokens) from interrupted
-        finally:
-            if masks is not None:   # a fill still running on the worker must not overlap later matcher moves
+                logits = self._logits([resolved[i] for i in active])
+        except BaseException as error:
+            if masks is not None:   # a fill still running on the worker must not overlap the matchers' undo
                 masks[1].result()
+                masks = None
+            self._journal.rollback()   # the unfinished step; the steps before it were committed
             if steps_done:
-                self._emit(TreeChanged("generate", tuple(b.name for b in resolved)))
+                self._calls.deliver(self._emit, TreeChanged("generate", tuple(b.name for b in resolved)))
+            if isinstance(error, KeyboardInterrupt) and not isinstance(error, GenerationInterrupted):
+                raise GenerationInterrupted(outputs, steps_done, max_new_tokens) from error
+            raise
+        if masks is not None:
+            masks[1].result()
+        self._calls.events.append(TreeChanged("generate", tuple(b.name for b in resolved)))
         return outputs
 
     def _tree_order(self, branches: list[Branch]) -> list[int]:
@@ -629,6 +672,8 @@ class Engine:
 
     def _advance_matchers(self, branches: list[Branch], tokens: list[int]) -> None:
         pairs = [(branch, token) for branch, token in zip(branches, tokens) if branch.matcher is not None]
+        for branch, _ in pairs:   # the step's undo puts each grammar back where it was (a copy costs ~2 us)
+            self._journal.log(restore_attrs, branch, {"matcher": branch.matcher.deep_copy()})
         if pairs:
             self._guidance.consume([b.matcher for b, _ in pairs], [t for _, t in pairs], [b.name for b, _ in pairs])
 
@@ -639,6 +684,7 @@ class Engine:
             return None
         return rows, self._guidance.start_fill([resolved[active[row]].matcher for row in rows])
 
+    @engine_call
     def check_generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int,
                        sampling: SamplingParams | None = None,
                        constraint: dict[str, Any] | Constraint | None = None) -> list[Branch]:
@@ -687,10 +733,12 @@ class Engine:
 
     def _generator(self, branch: Branch, call_seed: int | None) -> torch.Generator:
         if branch.generator is None or call_seed is not None:
+            self._journal.log(restore_attrs, branch, {"generator": branch.generator})
             seed = branch.seed if call_seed is None else derive_seed(call_seed, branch.name)
             branch.generator = torch.Generator(device=self.device).manual_seed(seed)
         return branch.generator
 
+    @engine_call
     def check_growth(self, branch: BranchRef, num_tokens: int) -> None:
         """Raise ContextOverflow or OutOfBlocks if `branch` cannot grow by num_tokens right now.
         Lets a caller that will append and then generate refuse before it changes anything."""
@@ -701,6 +749,7 @@ class Engine:
         self._check_blocks([(resolved, num_tokens)], f"growing branch {resolved.name!r} by {num_tokens:,} tokens")
 
     # ---- save and restore -----------------------------------------------------------------------
+    @engine_call
     def save(self, path: str | Path) -> Path:
         """Write the whole session to one file, atomically: every node, branch, token, seed and generator
         state, constraint, and the KV blocks in use (safetensors + a checksummed JSON manifest)."""
@@ -718,24 +767,27 @@ class Engine:
 
         return restore(path, **overrides)
 
+    @engine_call
     def close(self) -> None:
-        """Free the weights and the KV pool now, even while other references to this engine remain.
-        Every later call raises a clear error."""
-        self.model.to("meta")
+        """Let go of the weights and free the KV pool now, even while other references to this engine remain.
+        The weights are freed as soon as nothing else holds the model: another engine built around the same
+        model object keeps working. Every later call raises a clear error."""
         if self._guidance is not None:
             self._guidance.close()
             self._guidance = None
         self.pool.kv = self.pool.kv.new_empty(0)
         self.pool.scales = None
         self._kv_layers = []
+        # Dropped, not moved to the "meta" device in place: that would take the weights from the other engines.
+        self.model = _Closed()
         self._graphs = self._runner = None
-        self.branch_tree = _ClosedTree()
+        self.branch_tree = _Closed()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     @property
     def closed(self) -> bool:
-        return isinstance(self.branch_tree, _ClosedTree)
+        return isinstance(self.branch_tree, _Closed)
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self, listener: Listener) -> Subscription:
@@ -772,16 +824,20 @@ class Engine:
         if branch.node.last_hidden is None:
             raise EmptyBranch(f"branch {branch.name!r} has no tokens yet; append a prompt first.")
 
-    def _check_context(self, name: str, have: int, adding: int) -> None:
+    def _check_context(self, name: str, have: int, adding: int, at_least: bool = False) -> None:
+        """Raise ContextOverflow if a branch of `have` tokens cannot take `adding` more (at_least: a lower bound
+        on them, for text not tokenized yet)."""
         limit = self.config.max_position_embeddings
         if have + adding > limit:
             room = f"add at most {limit - have:,}" if have < limit else "it is full; fork from an earlier point"
             why = (f" (its sliding window: past it the model would forget the oldest tokens, which dendrite-nb "
                    f"does not do)" if self.config.sliding_window else "")
-            raise ContextOverflow(f"branch {name!r} needs {have + adding:,} tokens ({have:,} + {adding:,}), "
-                                  f"the model allows {limit:,}{why}: {room}.")
+            least = "at least " if at_least else ""
+            raise ContextOverflow(f"branch {name!r} needs {least}{have + adding:,} tokens ({have:,} + "
+                                  f"{least}{adding:,}), the model allows {limit:,}{why}: {room}.")
 
     # ---- preemption ---------------------------------------------------------------------------
+    @engine_call
     def preempt(self, branch: BranchRef) -> int:
         """Park a branch: its own KV blocks (its leaf node's, which nothing else reads) move to host memory
         and return to the pool; it resumes, exactly, when it next grows. Returns the blocks freed.
@@ -792,13 +848,14 @@ class Engine:
                              f"already, or its tokens are shared with other branches: fork points stay resident).")
         count = len(resolved.node.blocks)
         self._preempt(resolved)
-        self._emit(TreeChanged("preempt", (resolved.name,)))
+        self._calls.events.append(TreeChanged("preempt", (resolved.name,)))
         return count
 
     def _preempt(self, branch: Branch) -> None:
         """Move the branch's own KV blocks to host memory (pinned on CUDA) and give them back to the pool; when
         host memory is short, drop them instead: resuming then recomputes them from the tokens."""
         node, pool = branch.node, self.pool
+        self._journal.log(restore_attrs, node, {"swapped": node.swapped})
         if len(node.blocks) * pool.bytes_per_block > self._host_room_bytes():
             node.swapped = RECOMPUTE
             self.branch_tree.preempt(branch)
@@ -820,8 +877,11 @@ class Engine:
             return 1 << 30
 
     def _resume(self, branch: Branch) -> None:
-        """Blocks for a preempted branch again, with its KV copied back byte for byte (or recomputed)."""
+        """Blocks for a preempted branch again, with its KV copied back byte for byte (or recomputed). The host
+        copy is dropped only once the KV is back: if the copy or the recompute fails, the call's rollback
+        leaves the branch preempted, with its host copy, as it was."""
         node, pool = branch.node, self.pool
+        self._journal.log(restore_attrs, node, {"swapped": node.swapped})
         if node.swapped is RECOMPUTE:
             self._recompute(branch)
             return
@@ -838,15 +898,19 @@ class Engine:
         self.branch_tree.resume(node)
         if node.start % size:  # its first block also holds the parent's tail, copied as copy-on-write does
             self.pool.copy_block(self.branch_tree.block_table(node.parent)[node.start // size], node.blocks[0])
-        last_hidden, node.swapped = node.last_hidden, None
+        last_hidden = node.last_hidden
+        self._journal.log(restore_attrs, node, {"last_hidden": last_hidden})
         record = AppendRecord(branch, node, node, False, 0, len(node.blocks), None, last_hidden)
         self._forward([(record, list(node.tokens))])
         node.last_hidden = last_hidden  # the saved state after the last token stays the one decoding used
+        node.swapped = None
 
     def _make_room(self, resolved: list[Branch], rows: list[int]) -> list[int]:
         """The rows of the next step that fit the pool, preempting what must make way: first branches
         outside this call, then the call's branches outside the step (lowest priority first of each), then
-        the step's own lowest-priority rows. Shared ancestors are never preempted."""
+        the step's own lowest-priority rows. Shared ancestors are never preempted. Runs at a step boundary,
+        where nothing awaits undo: each preemption is committed at once (it moves KV, it changes no branch's
+        meaning), so a step that fails later keeps the room it made, and the blocks it frees can be reused."""
         tree = self.branch_tree
         rows = list(rows)
         stepping, in_call = {id(resolved[i]) for i in rows}, {id(b) for b in resolved}
@@ -858,11 +922,13 @@ class Engine:
                 return rows
             if victims:
                 self._preempt(victims.pop(0))
+                self._journal.commit()
                 continue
             dropped = min(rows, key=lambda i: resolved[i].priority)  # check_generate: one row alone always fits
             rows.remove(dropped)
             if tree.preemptible(resolved[dropped]):
                 self._preempt(resolved[dropped])
+                self._journal.commit()
 
     def _check_blocks(self, growth: list[tuple[Branch, int]], what: str) -> None:
         needed = sum(self.branch_tree.blocks_needed(b, n) for b, n in growth)
@@ -872,8 +938,9 @@ class Engine:
     # ---- the forward --------------------------------------------------------------------------
     def _prefill(self, pairs: list[tuple[Branch, list[int]]], logprobs: bool = False) -> None:
         """Write every token's KV, at most prefill_chunk_tokens per forward (but every branch's next
-        token fits one forward, so a decode step is always one forward). All or nothing. With logprobs,
-        each token keeps its log-probability given what precedes it."""
+        token fits one forward, so a decode step is always one forward). All or nothing (the call's journal
+        undoes it); Ctrl-C stops it between chunks. With logprobs, each token keeps its log-probability given
+        what precedes it."""
         if not pairs:
             return
         total = sum(len(t) for _, t in pairs)
@@ -884,32 +951,28 @@ class Engine:
                 self._resume(branch)
         budget_per_forward = max(self.prefill_chunk_tokens, len(pairs))
         done = [0] * len(pairs)
-        records: list[AppendRecord] = []
-        try:
-            while any(d < len(t) for d, (_, t) in zip(done, pairs)):
-                budget, chunk = budget_per_forward, []
-                for i, (branch, tokens) in enumerate(pairs):
-                    take = min(len(tokens) - done[i], budget)
-                    if take <= 0:
-                        continue
-                    piece = tokens[done[i]: done[i] + take]
-                    chunk.append((self.branch_tree.append(branch, piece), piece))
-                    records.append(chunk[-1][0])
-                    done[i] += take
-                    budget -= take
-                # What predicts each run's first token: the hidden state its branch ended on before it.
-                before = [record.old_last_hidden if not record.created else record.from_node.last_hidden
-                          for record, _ in chunk] if logprobs else None
-                self._runner.keep_all_hidden = logprobs
-                try:
-                    self._forward(chunk)
-                finally:
-                    self._runner.keep_all_hidden = False
-                if logprobs:
-                    self._keep_prefill_logprobs(chunk, before, self._runner.all_hidden)
-        except BaseException:
-            self._undo(records)
-            raise
+        while any(d < len(t) for d, (_, t) in zip(done, pairs)):
+            if any(done):
+                self._calls.check_interrupt()   # between chunks: the call's rollback undoes the chunks done
+            budget, chunk = budget_per_forward, []
+            for i, (branch, tokens) in enumerate(pairs):
+                take = min(len(tokens) - done[i], budget)
+                if take <= 0:
+                    continue
+                piece = tokens[done[i]: done[i] + take]
+                chunk.append((self.branch_tree.append(branch, piece), piece))
+                done[i] += take
+                budget -= take
+            # What predicts each run's first token: the hidden state its branch ended on before it.
+            before = [record.old_last_hidden if not record.created else record.from_node.last_hidden
+                      for record, _ in chunk] if logprobs else None
+            self._runner.keep_all_hidden = logprobs
+            try:
+                self._forward(chunk)
+            finally:
+                self._runner.keep_all_hidden = False
+            if logprobs:
+                self._keep_prefill_logprobs(chunk, before, self._runner.all_hidden)
 
     def _keep_prefill_logprobs(self, chunk: list[tuple[AppendRecord, list[int]]], before: list[Any],
                                hidden: torch.Tensor) -> None:
@@ -953,36 +1016,24 @@ class Engine:
         for branch in branches:
             if branch.node.swapped_blocks:
                 self._resume(branch)
-        records = self.branch_tree.append_one_each(branches, PENDING_TOKEN)  # all or nothing
-        try:
-            return self._runner.plan(self.branch_tree, records, [1] * len(records))
-        except BaseException:
-            self._undo(records)
-            raise
+        records = self.branch_tree.append_one_each(branches, PENDING_TOKEN)  # undone by generate on failure
+        return self._runner.plan(self.branch_tree, records, [1] * len(records))
 
     def _finish_decode(self, planned: PlannedForward, tokens: torch.Tensor,
                        logprobs: torch.Tensor | None = None) -> tuple[list[int], tuple[float, ...] | None]:
         """Run the step's forward on the sampled tokens as they lie on the device, read them back (a wait
         for the sampler only: the forward keeps running) and put them in place of the pending ones, with
         their log-probabilities when given. Returns the tokens and those log-probabilities (or None).
-        On failure the step is undone."""
-        try:
-            read = self._runner.read_back(tokens) if logprobs is None else self._runner.read_back(tokens, logprobs)
-            self._run_forward(planned, tokens)
-            drawn, *kept = read()
-        except BaseException:
-            self._undo(planned.records)
-            raise
+        On failure generate undoes the step."""
+        read = self._runner.read_back(tokens) if logprobs is None else self._runner.read_back(tokens, logprobs)
+        self._run_forward(planned, tokens)
+        drawn, *kept = read()
         for record, token in zip(planned.records, drawn):
             record.node.tokens[-1] = token
         if kept:
             for record, logprob in zip(planned.records, kept[0]):
                 record.node.keep_logprob(len(record.node.tokens) - 1, logprob)
         return drawn, tuple(kept[0]) if kept else None
-
-    def _undo(self, records: list[AppendRecord]) -> None:
-        for record in reversed(records):
-            self.branch_tree.undo(record)
 
     # ---- state --------------------------------------------------------------------------------
     @property
@@ -996,20 +1047,24 @@ class Engine:
     def branch(self, name: str) -> Branch:
         return self.branch_tree.resolve(name)
 
+    @engine_call
     def logprobs(self, branch: BranchRef) -> list[float | None]:
         """One entry per token of the branch (as `branch.tokens`): the model's log-probability of a token
         sampled by `generate(..., logprobs=True)`, None for prompt and appended tokens and tokens sampled
         without it. Forks share their parent's entries, as they share its tokens."""
         return self.branch_tree.path_logprobs(self.branch_tree.resolve(branch).node)
 
+    @engine_call
     def tree(self) -> dict[str, Any]:
         """Plain-data snapshot of nodes (tokens, blocks, children, branch names) and branches."""
         return tree_snapshot(self.branch_tree)
 
+    @engine_call
     def block_table(self) -> dict[str, Any]:
         """Plain-data snapshot of the pool: every block in use (owner, refcount, readers), each branch's table."""
         return block_snapshot(self.branch_tree)
 
+    @engine_call
     def audit(self) -> None:
         """Check refcounts, the free list, node invariants, that no step left a pending token behind, and (in
         debug mode) the canaries."""
@@ -1028,13 +1083,14 @@ class Engine:
                 f"{counted(branches, 'branch')}, {used:,}/{self.pool.num_blocks:,} KV blocks used)")
 
 
-class _ClosedTree:
-    """Stands in for the branch tree of a closed engine: every use says so, instead of failing deep inside."""
+class _Closed:
+    """Stands in for what a closed engine let go of (its branch tree, its model): every use says the engine was
+    closed, instead of failing deep inside."""
 
     branches: dict[str, Branch] = {}
 
     def __getattr__(self, name: str):
         from .errors import DendriteError
 
-        raise DendriteError("this engine was closed (its weights and KV cache were freed, e.g. by "
+        raise DendriteError("this engine was closed (it let go of its weights and freed its KV cache, e.g. on "
                             "`%dendrite load --replace`); use the engine that replaced it.")

@@ -123,14 +123,16 @@ def test_undo_restores_everything():
     tree.append(a, [1, 2, 3, 4, 5])
     (x,) = tree.fork(a, ["x"])
     before = state(tree)
-    records = [tree.append(x, [6, 7, 8, 9, 10]), tree.append(a, [11])]
-    for record in reversed(records):
-        tree.undo(record)
+    mark = tree.journal.mark()
+    tree.append(x, [6, 7, 8, 9, 10])
+    tree.append(a, [11])
+    tree.journal.rollback(mark)
     assert state(tree) == before
-    extend_before = state(tree)
-    tree.undo(tree.append(tree.add_branch("solo"), [1, 2]))
+    mark = tree.journal.mark()
+    tree.append(tree.add_branch("solo"), [1, 2])
     tree.prune(tree.branches["solo"])
-    assert state(tree) == extend_before
+    tree.journal.rollback(mark)
+    assert state(tree) == before and "solo" not in tree.branches
     tree.audit()
 
 
@@ -205,14 +207,14 @@ def _mixed_batch(tree):
 def test_append_one_each_equals_appends_one_by_one():
     trees = [make_tree(), make_tree()]
     batches = [_mixed_batch(tree) for tree in trees]
+    mark = trees[0].journal.mark()
     batched = trees[0].append_one_each(batches[0], 42)
     single = [trees[1].append(branch, [42]) for branch in batches[1]]
     assert state(trees[0]) == state(trees[1])
     fields = ("created", "old_num_tokens", "old_num_blocks", "cow")
     assert [[getattr(r, f) for f in fields] for r in batched] == [[getattr(r, f) for f in fields] for r in single]
     assert [r.branch.name for r in batched] == [r.branch.name for r in single]
-    for record in reversed(batched):
-        trees[0].undo(record)
+    trees[0].journal.rollback(mark)
     fresh = make_tree()
     _mixed_batch(fresh)
     assert state(trees[0]) == state(fresh)
@@ -242,10 +244,11 @@ def test_a_leaf_block_table_follows_its_blocks():
     assert tree.block_table(x.node) == fresh(x.node)
     seen = tree.block_table(x.node)
     for token in range(5, 12):  # into x's tail block, then new ones
-        record = tree.append(x, [token])
+        mark = tree.journal.mark()
+        tree.append(x, [token])
         assert tree.block_table(x.node) == fresh(x.node)
     assert tree.block_table(x.node) is not seen and len(tree.block_table(x.node)) == 3
-    tree.undo(record)
+    tree.journal.rollback(mark)
     assert tree.block_table(x.node) == fresh(x.node)
     freed = tree.preempt(x)
     assert tree.block_table(x.node) == fresh(x.node) == tree.block_table(a.node)[:0]  # a's blocks before x's start

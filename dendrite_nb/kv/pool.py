@@ -45,7 +45,8 @@ class KVPool:
         self.allocator = BlockAllocator(
             num_blocks,
             on_allocate=self._check_canaries if canaries else None,
-            on_free=self._poison if canaries else None,
+            on_free=self._poison_freed if canaries else None,
+            on_give_back=self._poison if canaries else None,
         )
         if canaries:
             self._poison(slice(None))
@@ -80,10 +81,21 @@ class KVPool:
             raw = tensor.view(torch.uint8)  # bytes: index_copy_ has no float8 kernels
             raw.index_copy_(2, targets, raw.index_select(2, sources))
 
+    def _poison_freed(self, block_ids: list[int]) -> None:
+        """Poison blocks just freed, keeping their KV in the journal: a failed call that un-frees them needs it."""
+        self.allocator.journal.log(self._restore_blocks, block_ids, self.kv[:, :, block_ids].clone(),
+                                   None if self.scales is None else self.scales[:, :, block_ids].clone())
+        self._poison(block_ids)
+
     def _poison(self, block_ids: list[int] | slice) -> None:
         self.kv[:, :, block_ids] = CANARY
         if self.scales is not None:  # a read of a freed fp8 block then dequantises to a glaring -416 * -416
             self.scales[:, :, block_ids] = CANARY
+
+    def _restore_blocks(self, block_ids: list[int], kv: torch.Tensor, scales: torch.Tensor | None) -> None:
+        self.kv[:, :, block_ids] = kv
+        if scales is not None:
+            self.scales[:, :, block_ids] = scales
 
     def _untouched(self, block_ids: list[int]) -> bool:
         kv_untouched = bool((self.kv[:, :, block_ids] == CANARY).all())

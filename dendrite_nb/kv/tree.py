@@ -9,6 +9,8 @@ Plain Python, no torch: the engine moves tensors, this module decides which bloc
 - A node with children is frozen. A branch extends its node in place only when it is the node's sole
   name and the node is a leaf; otherwise an append creates a child and moves the branch onto it.
 - Fork adds names to a node: O(1) in context length, no block touched.
+- Every change logs how to undo it in the allocator's journal first (kv/journal.py), so a failed engine
+  call puts the tree back as it was, whatever line the failure landed on.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any, Iterator
 from ..errors import BranchExists, BranchPruned, OutOfBlocks, UnknownBranch
 from ..wording import counted
 from .allocator import BlockAllocator
+from .journal import drop_keys, drop_members, restore_attrs, restore_key, restore_member
 
 
 RECOMPUTE = "recompute"  # Node.swapped of a preempted node whose KV was dropped (to be recomputed), not copied
@@ -28,13 +31,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _all_strings(items: list[Any]) -> bool:
-    """isinstance(item, str) for every item, in one C loop: an isinstance call per name costs 5x more."""
+def _joined(items: list[Any]) -> str | None:
+    """The items joined, or None unless every one is a str: one C loop, where an isinstance call per name costs
+    5x more."""
     try:
-        "".join(items)
+        return "".join(items)
     except TypeError:
-        return False
-    return True
+        return None
 
 
 @dataclass(eq=False, slots=True)
@@ -69,6 +72,14 @@ class Node:
         if self.logprobs is None:
             self.logprobs = {}
         self.logprobs[index] = logprob
+
+    def cut(self, num_tokens: int, num_blocks: int) -> None:
+        """Keep only the first num_tokens tokens (and their log-probabilities) and num_blocks blocks: the undo of
+        an append in place. The blocks' refcounts are the allocator's to restore."""
+        del self.tokens[num_tokens:]
+        del self.blocks[num_blocks:]
+        if self.logprobs:
+            self.logprobs = {i: lp for i, lp in self.logprobs.items() if i < num_tokens} or None
 
 
 class Branch:
@@ -160,6 +171,7 @@ class AppendRecord:
 class BranchTree:
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self.allocator, self.block_size = allocator, block_size
+        self.journal = allocator.journal  # one undo log for the tree and the allocator: rolled back together
         self._next_node_id = 1
         self.root = Node(id=0, parent=None, start=0)
         self.branches: dict[str, Branch] = {}
@@ -182,11 +194,21 @@ class BranchTree:
         return found
 
     def check_new_names(self, names: list[str]) -> set[str]:
-        """Raise unless every name is a non-empty string, unused and given once; returns the names as a set."""
-        unique = set(names) if _all_strings(names) else None
+        """Raise unless every name is a non-empty string that UTF-8 can write (a save file holds it), unused and
+        given once; returns the names as a set. Every path that makes a branch name checks it here."""
+        joined = _joined(names)
+        unique = set(names) if joined is not None else None
         if unique is None or "" in unique:
             bad = next(name for name in names if not isinstance(name, str) or not name)
             raise ValueError(f"a branch name must be a non-empty string, got {bad!r}")
+        try:
+            joined.encode()  # one pass for all the names (a 1,000-child fork is a hot path); strict UTF-8 refuses
+        except UnicodeEncodeError:  # exactly the surrogates, U+D800 to U+DFFF, paired or not
+            bad = next(name for name in names if any("\ud800" <= char <= "\udfff" for char in name))
+            char = next(char for char in bad if "\ud800" <= char <= "\udfff")
+            raise ValueError(f"branch name {bad!r} holds {char!r}, a surrogate code point (half of a UTF-16 pair), "
+                             f"which is not text: UTF-8 cannot write it, so no save could hold the branch. Use a "
+                             f"name without it.") from None
         if not self.branches.keys().isdisjoint(unique):
             taken = [n for n in names if n in self.branches]
             raise BranchExists(f"branch {taken[0]!r} already exists; pick another name or prune it first.")
@@ -200,6 +222,8 @@ class BranchTree:
         self.check_new_names([name])
         node = node or self.root
         branch = Branch(name, node, self, seed)
+        self.journal.log(drop_keys, self.branches, [name])
+        self.journal.log(drop_members, node.branch_names, {name})
         node.branch_names.add(name)
         self.branches[name] = branch
         return branch
@@ -234,17 +258,26 @@ class BranchTree:
         node = branch.node
         if not self.preemptible(branch):
             raise RuntimeError(f"branch {branch.name!r} has no blocks of its own to preempt")
+        self.journal.log(restore_attrs, node, {"blocks": node.blocks, "swapped_blocks": node.swapped_blocks})
         freed, node.blocks, node.swapped_blocks = node.blocks, [], len(node.blocks)
         self.allocator.decref(freed)
         return freed
 
     def resume(self, node: Node) -> list[int]:
         """Blocks for a preempted node again (the caller copies its KV back in). Raises OutOfBlocks first."""
+        self.journal.log(restore_attrs, node, {"blocks": node.blocks, "swapped_blocks": node.swapped_blocks})
         node.blocks, node.swapped_blocks = self.allocator.allocate(node.swapped_blocks, "resuming a branch"), 0
         return node.blocks
 
     def append(self, branch: Branch, tokens: list[int]) -> AppendRecord:
         """Put `tokens` on the branch; allocates blocks. Raises OutOfBlocks before changing anything."""
+        records: list[AppendRecord] = []
+        self.journal.log(self._undo_appends, records)
+        self._append(branch, tokens, records)
+        return records[0]
+
+    def _append(self, branch: Branch, tokens: list[int], records: list[AppendRecord]) -> None:
+        """append(), with its record put in `records` before anything changes (a logged undo reads them)."""
         node, size = branch.node, self.block_size
         if node.swapped_blocks:
             raise RuntimeError(f"branch {branch.name!r} is preempted; resume it before appending")
@@ -252,25 +285,29 @@ class BranchTree:
         needed = self._needed(node, in_place, len(tokens))
         if needed > self.allocator.num_free:  # the message is built only when it is needed (a hot path)
             raise OutOfBlocks(needed, self.allocator.num_free, f"appending {len(tokens):,} tokens to {branch.name!r}")
-        new_blocks = self.allocator.allocate(needed) if needed else []
         if in_place:
-            record = AppendRecord(branch, node, node, False, len(node.tokens), len(node.blocks), None, node.last_hidden)
+            records.append(AppendRecord(branch, node, node, False, len(node.tokens), len(node.blocks), None,
+                                        node.last_hidden))
+            new_blocks = self.allocator.allocate(needed) if needed else []
             node.tokens.extend(tokens)
             node.blocks.extend(new_blocks)
-            return record
+            return
+        new_blocks = self.allocator.allocate(needed)
         start = node.end
         cow = (self.block_table(node)[start // size], new_blocks[0]) if start % size else None
         child = Node(id=self._next_node_id, parent=node, start=start, tokens=list(tokens), blocks=new_blocks)
         self._next_node_id += 1
+        records.append(AppendRecord(branch, node, child, True, 0, 0, cow))
         node.children.append(child)
         self._move(branch, child)
-        return AppendRecord(branch, node, child, True, 0, 0, cow)
 
     def append_one_each(self, branches: list[Branch], token: int) -> list[AppendRecord]:
         """`append(branch, [token])` for each branch in order, as a decode step does. A leaf that its branch
         alone names and whose last block has room (15 steps of 16) takes the token right here; the others go
-        through append. On failure the appends made are undone and nothing has changed."""
+        through append. One journal entry undoes them all; on failure they are undone and nothing changed."""
         records: list[AppendRecord] = []
+        mark = self.journal.mark()
+        self.journal.log(self._undo_appends, records)
         size, root = self.block_size, self.root
         try:
             for branch in branches:
@@ -280,31 +317,46 @@ class BranchTree:
                 if (node is root or node.children or node.swapped_blocks or len(node.branch_names) != 1
                         or branch.name not in node.branch_names
                         or -(-(node.start + len(tokens) + 1) // size) - node.start // size > len(node.blocks)):
-                    records.append(self.append(branch, [token]))
+                    self._append(branch, [token], records)
                     continue
                 records.append(AppendRecord(branch, node, node, False, len(tokens), len(node.blocks), None,
                                             node.last_hidden))
                 tokens.append(token)
-        except BaseException:
-            for record in reversed(records):
-                self.undo(record)
+        except BaseException:   # all or nothing on its own too (a row that finds no block undoes the others)
+            self.journal.rollback(mark)
             raise
         return records
 
+    def _undo_appends(self, records: list[AppendRecord]) -> None:
+        for record in reversed(records):
+            self.undo(record)
+
     def undo(self, record: AppendRecord) -> None:
-        """Revert one append (call in reverse order for a batch). The KV written is simply dropped."""
+        """Revert one append, however far it got (the journal calls this; the allocator's own entries give
+        the blocks back). The KV written is simply dropped."""
         node = record.node
         if record.created:
-            self._move(record.branch, record.from_node)
-            self._detach(node)
+            branch, parent = record.branch, record.from_node
+            node.branch_names.discard(branch.name)
+            parent.branch_names.add(branch.name)
+            branch.node = parent
+            self._unlink(parent, node)
         else:
-            dropped = node.blocks[record.old_num_blocks:]
-            del node.tokens[record.old_num_tokens:]
-            if node.logprobs:
-                node.logprobs = {i: lp for i, lp in node.logprobs.items() if i < record.old_num_tokens}
-            del node.blocks[record.old_num_blocks:]
+            node.cut(record.old_num_tokens, record.old_num_blocks)
             node.last_hidden = record.old_last_hidden
-            self.allocator.decref(dropped)
+
+    @staticmethod
+    def _unlink(parent: Node, child: Node) -> None:
+        if child in parent.children:
+            parent.children.remove(child)
+        if not parent.children:
+            parent.path_cache.clear()  # a leaf again: it may be extended, so its paths may change
+
+    def _relink(self, parent: Node, index: int, child: Node, fields: dict[str, Any]) -> None:
+        """Undo of _detach: the child back in its place under its parent, with what it held."""
+        restore_attrs(child, fields)
+        if child not in parent.children:
+            parent.children.insert(index, child)
 
     def fork(self, branch: Branch, names: list[str]) -> list[Branch]:
         """New names on the branch's node: O(1) in context length. Each child's seed derives from the
@@ -312,12 +364,16 @@ class BranchTree:
         unique = self.check_new_names(names)
         node = branch.node
         children = Branch.forks(names, node, self, branch.seed, branch.priority, branch.chat)
+        self.journal.log(drop_keys, self.branches, names)
+        self.journal.log(drop_members, node.branch_names, unique)
         node.branch_names |= unique
         self.branches.update(zip(names, children))
         return children
 
     def prune(self, branch: Branch) -> list[int]:
         """Remove the name; collect nodes nothing reaches. Returns the blocks that were freed."""
+        self.journal.log(restore_key, self.branches, branch.name, branch, True)
+        self.journal.log(restore_member, branch.node.branch_names, branch.name, True)
         del self.branches[branch.name]
         branch.node.branch_names.discard(branch.name)
         freed: list[int] = []
@@ -335,9 +391,11 @@ class BranchTree:
 
     def _detach(self, node: Node) -> list[int]:
         parent = node.parent
-        parent.children.remove(node)
-        if not parent.children:
-            parent.path_cache.clear()  # a leaf again: it may be extended, so its paths may change
+        self.journal.log(self._relink, parent, parent.children.index(node), node,
+                         {"blocks": node.blocks, "parent": parent, "last_hidden": node.last_hidden,
+                          "leaf_table": node.leaf_table, "swapped": node.swapped,
+                          "swapped_blocks": node.swapped_blocks})
+        self._unlink(parent, node)
         freed = self.allocator.decref(node.blocks)
         node.blocks, node.parent, node.last_hidden, node.leaf_table = [], None, None, None
         node.swapped, node.swapped_blocks = None, 0
