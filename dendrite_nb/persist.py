@@ -3,9 +3,18 @@
 The file is a safetensors file: the tensors (the KV blocks in use, compacted; their fp8 scales; each node's
 last hidden state; each branch's sampling generator state) plus, in its metadata, a JSON manifest (format
 version, the model's identity, the engine's options, the nodes and the branches) and a SHA-256 of the
-manifest and of every tensor. A write goes to a temporary file that is renamed into place, so a crash
-leaves the old file whole. A restore checks everything before it builds anything: a truncated or altered
-file, another model, dtype or block size is a SaveFileError, and the running session is untouched.
+manifest and of every tensor.
+
+A write goes to a temporary file in the target's folder, `.<name>.dendrite-tmp-<host>-<pid>-<random>`, renamed
+into place, so a crash leaves the old file whole. A save killed mid-way leaves its temporary behind; the next
+save to the same target deletes those whose writer is gone (persist_write.py). Every failure to write is a
+SaveFileError saying what to do, never a bare OSError.
+
+The checksums catch accidents (a truncated file, flipped bits), not tampering: they sit in the file they check,
+so whoever edits it can recompute them. Restoring never evaluates or unpickles anything (JSON and raw tensors
+only), and checks every manifest field's type and range, and the tensors' shapes and dtypes, before it builds
+anything (persist_schema.py): an altered or crafted file, another model, dtype or block size is a SaveFileError,
+and no other engine is touched. A crafted file that passes can make a wrong session, but cannot run code.
 """
 from __future__ import annotations
 
@@ -14,24 +23,24 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .chat import ChatState
-from .errors import SaveFileError
+from .errors import ConstraintError, DendriteError, SaveFileError
 from .kv.tree import RECOMPUTE, Branch, Node
 from .paths import user_path
+from .persist_schema import (FIX, FORMAT, VERSION, check_format, check_generators, check_manifest, check_model_config,
+                             tensor_checksums)
+from .persist_write import check_target, write_atomically, write_error
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-FORMAT = "dendrite-nb session"
-VERSION = 1
 # Options a restore may change: they do not alter what the saved state means.
 FREE_OPTIONS = ("device", "num_blocks", "attention", "cuda_graphs", "debug", "checkpoint")
 
@@ -58,9 +67,7 @@ def _tensor_sha(tensor: torch.Tensor) -> str:
 # ---- save ----------------------------------------------------------------------------------------------
 def save(engine: Engine, path: str | Path) -> Path:
     target = user_path(path)
-    if target.is_dir():
-        raise SaveFileError(f"{str(target)!r} is a folder; save to a file in it, such as "
-                            f"{str(target / 'session.dendrite')!r}.")
+    check_target(target)
     if engine.source is None:
         raise SaveFileError("this engine was built around a model object, so a restore could not rebuild it; "
                             "save an engine made by Engine.from_pretrained or Engine.from_random.")
@@ -113,23 +120,20 @@ def save(engine: Engine, path: str | Path) -> Path:
         "tensors": {name: _tensor_sha(tensor) for name, tensor in tensors.items()},
     }
     text = json.dumps(manifest)
+
+    def write(temporary: str) -> None:
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, temporary,
+                      metadata={"dendrite": text, "dendrite_sha256": _sha(text.encode())})
+        except SafetensorError as error:   # safetensors' own I/O errors carry no errno
+            raise SaveFileError(f"cannot save to {str(target)!r}: {error}; free some space or save somewhere "
+                                f"else. Any file already there is unchanged.") from None
+
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as error:   # a parent that is a file, a folder without write permission, ...
-        raise SaveFileError(f"cannot write {str(target)!r}: {error.strerror or error} "
-                            f"({error.filename or target.parent}); save somewhere else.") from None
-    os.close(handle)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, temporary,
-                  metadata={"dendrite": text, "dendrite_sha256": _sha(text.encode())})
-        with open(temporary, "rb") as written:
-            os.fsync(written.fileno())
-        os.chmod(temporary, _mode_for(target))  # after save_file, which makes its file owner-only again
-        os.replace(temporary, target)  # atomic: readers see the old file or the new one, never a mix
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        mode = _mode_for(target)   # applied after save_file, which makes its file owner-only
+    except OSError as error:
+        raise write_error(target, error) from None
+    write_atomically(target, write, mode)
     return target
 
 
@@ -153,9 +157,14 @@ def _jsonable(value: Any) -> Any:
 
 # ---- restore -------------------------------------------------------------------------------------------
 def read(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The manifest and tensors of a save file, every checksum verified. Raises SaveFileError."""
+    """The manifest and tensors of a save file, its format and every checksum verified (not yet its fields:
+    persist_schema.check_manifest). Raises SaveFileError."""
     source = user_path(path)
-    if not source.is_file():
+    try:
+        found = source.is_file()
+    except OSError as error:   # a name too long, a part of the path that cannot be searched
+        raise SaveFileError(f"cannot read {str(source)!r}: {error.strerror or error}; check the path.") from None
+    if not found:
         raise SaveFileError(f"no save file at {str(source)!r}.")
     try:
         with safe_open(str(source), framework="pt") as file:
@@ -167,11 +176,12 @@ def read(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if text is None or metadata.get("dendrite_sha256") != _sha(text.encode()):
         raise SaveFileError(f"{str(source)!r} has no intact dendrite-nb manifest (checksum mismatch): the file "
                             f"is corrupted or was not written by Engine.save.")
-    manifest = json.loads(text)
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise SaveFileError(f"{str(source)!r} is format {manifest.get('format')!r} version {manifest.get('version')!r}; "
-                            f"this dendrite-nb reads {FORMAT!r} version {VERSION}.")
-    expected = manifest["tensors"]
+    try:   # plain JSON: nothing in the file is evaluated
+        manifest = json.loads(text, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as error:
+        raise SaveFileError(f"{str(source)!r} holds a manifest that is not plain JSON ({error}); {FIX}.") from None
+    check_format(manifest, str(source))
+    expected = tensor_checksums(manifest)
     if set(expected) != set(tensors):
         raise SaveFileError(f"{str(source)!r} lists tensors {sorted(expected)} but holds {sorted(tensors)}.")
     for name, tensor in tensors.items():
@@ -180,41 +190,78 @@ def read(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return manifest, tensors
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys differ: json.loads would keep the last of a repeated key, unnoticed."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        repeated = next(key for key, _ in pairs if sum(other == key for other, _ in pairs) > 1)
+        raise ValueError(f"the key {repeated!r} appears twice in one object")
+    return result
+
+
 def restore(path: str | Path, **overrides: Any) -> Engine:
     """A new engine holding the saved session. `overrides` may move it (device, num_blocks, attention,
-    cuda_graphs, debug, checkpoint: where the weights now live); dtype, kv_dtype and block_size must match."""
-    from .engine import Engine
+    cuda_graphs, debug, checkpoint: where the weights now live); dtype, kv_dtype and block_size must match.
+    Every field of the file is checked before anything is built; a failure after the engine is built closes it."""
+    from .engine import check_pool_options, parse_device
 
     manifest, tensors = read(path)
     unknown = [key for key in overrides if key not in FREE_OPTIONS + ("dtype", "kv_dtype", "block_size")]
     if unknown:
         raise TypeError(f"restore() got unexpected options {unknown}; it takes {list(FREE_OPTIONS)}.")
+    check_manifest(manifest, tensors)
     for key in ("dtype", "kv_dtype", "block_size"):
         if key in overrides and str(overrides[key]).removeprefix("torch.") != str(manifest[key]):
             raise SaveFileError(f"the session was saved with {key}={manifest[key]}, not {overrides[key]}; its KV "
                                 f"cache is only valid for the same {key}.")
     used = tensors["kv"].shape[2] if "kv" in tensors else 0
+    if overrides.get("num_blocks") is not None:
+        check_pool_options(num_blocks=overrides["num_blocks"])
+        if overrides["num_blocks"] < used:
+            raise SaveFileError(f"the session holds {used:,} KV blocks; restore with num_blocks >= {used:,}.")
+    if overrides.get("device"):
+        device = parse_device(overrides["device"])
+    else:   # where it was saved from
+        try:
+            device = parse_device(manifest["device"])
+        except ValueError as error:
+            raise SaveFileError(f"the session was saved on {manifest['device']}: {error} Restore it with "
+                                f"device='cpu' (or another device this machine has).") from None
+    check_generators(manifest, tensors, device)
+    engine = _build(manifest, overrides, device, used)
+    try:
+        if model_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
+            raise SaveFileError("the model loaded for this session is not the one it was saved with (its weights "
+                                "differ); restore with checkpoint= pointing at the model the session was saved from.")
+        check_model_config(json.loads(json.dumps(dataclasses.asdict(engine.config))), manifest)
+        if used > engine.pool.num_blocks:
+            raise SaveFileError(f"the session holds {used:,} KV blocks, the pool has {engine.pool.num_blocks:,}; "
+                                f"restore with num_blocks >= {used:,}.")
+        _rebuild(engine, manifest, tensors, used)
+    except BaseException:
+        engine.close()   # its weights and pool go now, not when the garbage collector finds them
+        raise
+    return engine
+
+
+def _build(manifest: dict[str, Any], overrides: dict[str, Any], device: torch.device, used: int) -> Engine:
+    """The engine the session was saved from, empty: its model rebuilt from the checkpoint folder (or the
+    random-weight config) and its options. A checked manifest leaves only the file system and memory to fail."""
+    from .engine import Engine
+
     options = {**manifest["options"], "block_size": manifest["block_size"], "kv_dtype": manifest["kv_dtype"],
                "num_blocks": max(manifest["num_blocks"], used)}
     options.update({k: v for k, v in overrides.items() if k in FREE_OPTIONS and k not in ("device", "checkpoint")})
-    device = overrides.get("device") or manifest["device"]  # by default where it was saved from
     source = manifest["source"]
-    if "checkpoint" in source or "checkpoint" in overrides:
-        engine = Engine.from_pretrained(overrides.get("checkpoint", source.get("checkpoint")), device=device,
-                                        dtype=manifest["dtype"], **options)
-    else:
-        engine = Engine.from_random(source["hf_config"], device=device, dtype=manifest["dtype"],
-                                    weight_seed=source["weight_seed"], **options)
-    if model_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
-        engine.close()
-        raise SaveFileError("the model loaded for this session is not the one it was saved with (its weights "
-                            "differ); restore with checkpoint= pointing at the model the session was saved from.")
-    if used > engine.pool.num_blocks:
-        engine.close()
-        raise SaveFileError(f"the session holds {used:,} KV blocks, the pool has {engine.pool.num_blocks:,}; "
-                            f"restore with num_blocks >= {used:,}.")
-    _rebuild(engine, manifest, tensors, used)
-    return engine
+    checkpoint = overrides.get("checkpoint") or source.get("checkpoint")
+    try:
+        if checkpoint is not None:
+            return Engine.from_pretrained(checkpoint, device=device, dtype=manifest["dtype"], **options)
+        return Engine.from_random(source["hf_config"], device=device, dtype=manifest["dtype"],
+                                  weight_seed=source["weight_seed"], **options)
+    except (DendriteError, ValueError, TypeError, LookupError, RuntimeError, OSError, MemoryError) as error:
+        moved = " If the model has moved, restore with checkpoint= pointing at it." if checkpoint is not None else ""
+        raise SaveFileError(f"cannot rebuild the engine this session was saved from: {error}{moved}") from error
 
 
 def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], used: int) -> None:
@@ -245,7 +292,7 @@ def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.
     for number, saved in enumerate(manifest["branches"]):
         node = tree.root if saved["node"] < 0 else nodes[saved["node"]]
         branch = Branch(saved["name"], node, tree, saved["seed"])
-        branch.priority = saved["priority"]
+        branch.priority = float(saved["priority"])
         if saved.get("chat") is not None:   # files saved before chat() existed have no "chat"
             chat = saved["chat"]
             branch.chat = ChatState(tuple(map(tuple, chat["messages"])), chat["mark"], chat["generation_prompt"])
@@ -255,7 +302,20 @@ def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.
             branch.generator = torch.Generator(device=engine.device)
             branch.generator.set_state(tensors[f"generator/{number}"])
         if saved["constraint"] is not None:
-            engine.constrain(branch, saved["constraint"])
-            branch.matcher.consume_tokens(branch.tokens[saved["constraint_from"]:])
-            branch.constraint_from = saved["constraint_from"]
-    engine.audit()
+            _constrain(engine, branch, saved["constraint"], saved["constraint_from"])
+    try:   # check_manifest refuses whatever would fail this; a failure here is a gap in it, still the file's fault
+        engine.audit()
+    except AssertionError as error:
+        raise SaveFileError(f"the save file does not make a consistent session ({error}); {FIX}.") from None
+
+
+def _constrain(engine: Engine, branch: Branch, spec: dict[str, Any], since: int) -> None:
+    """Put the branch back under its constraint, at the grammar position its tokens since `since` reach."""
+    try:
+        engine.constrain(branch, spec)
+    except ConstraintError as error:   # a grammar this model's tokenizer cannot start
+        raise SaveFileError(f"branch {branch.name!r}'s saved constraint cannot be restored: {error}") from None
+    if not branch.matcher.consume_tokens(branch.tokens[since:]) or branch.matcher.is_error():
+        raise SaveFileError(f"branch {branch.name!r}'s tokens after position {since:,} are not ones its saved "
+                            f"constraint allows ({branch.matcher.get_error()}); {FIX}.")
+    branch.constraint_from = since

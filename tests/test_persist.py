@@ -77,7 +77,7 @@ def test_save_replaces_the_file_atomically_and_a_failed_save_keeps_the_old_one(s
 
     monkeypatch.setattr(persist, "save_file", crash)
     eng.new_branch("extra", "more")
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(SaveFileError, match="disk full"):   # not a bare OSError: what failed, and what to do
         eng.save(path)
     assert path.read_bytes() == before
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
