@@ -12,6 +12,7 @@ import math
 import numbers
 import os
 import time
+from concurrent import futures
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -547,8 +548,10 @@ class Engine:
         (as `constrain` does); branches already constrained keep their own grammar position otherwise.
         A constrained branch samples only tokens its grammar allows and stops when the grammar is
         complete (its end-of-sequence token is then the only one allowed), so its text parses.
-        Ctrl-C stops at the end of the current step and raises GenerationInterrupted (a
-        KeyboardInterrupt) carrying the tokens of the completed steps, which the branches keep.
+        Ctrl-C stops at the end of the current step (the last one too) and raises GenerationInterrupted (a
+        KeyboardInterrupt) carrying the tokens of the completed steps, which the branches keep; any other
+        failure undoes only the step it hit. A DecodeStep listener may prune, fork, re-rank or constrain
+        branches between steps: a pruned branch drops out of the call, and the others go on with the change.
         With logprobs=True, the model's log-probability of each sampled token is kept with it (read them
         with `logprobs(branch)`): log_softmax of the raw logits, before temperature, top-k/p, the repetition
         penalty or a constraint's mask, as transformers' forward gives it.
@@ -630,7 +633,7 @@ class Engine:
                 logits = self._logits([resolved[i] for i in active])
         except BaseException as error:
             if masks is not None:   # a fill still running on the worker must not overlap the matchers' undo
-                masks[1].result()
+                futures.wait([masks[1]])   # (its own error, if any, is not the one to report)
                 masks = None
             self._journal.rollback()   # the unfinished step; the steps before it were committed
             if steps_done:
@@ -639,7 +642,7 @@ class Engine:
                 raise GenerationInterrupted(outputs, steps_done, max_new_tokens) from error
             raise
         if masks is not None:
-            masks[1].result()
+            futures.wait([masks[1]])
         self._calls.events.append(TreeChanged("generate", tuple(b.name for b in resolved)))
         return outputs
 

@@ -2,8 +2,10 @@
 
 Listeners are how the notebook layer streams text and how views update live, without the engine
 knowing about either. A listener runs synchronously on the engine's thread, so it must be cheap
-(coalesce and throttle on its side). An exception it raises stops the call at that point, which is
-a step boundary: everything the engine did before the event stays done.
+(coalesce and throttle on its side). It runs once what it reports is committed, so it may call the engine:
+from a DecodeStep it may prune, fork, re-rank or constrain branches, which the running generate takes up
+at its next step (not start another generate, nor close the engine). An exception it raises stops the call
+at that point, which is a step boundary: everything the engine did before the event stays done.
 """
 from __future__ import annotations
 
