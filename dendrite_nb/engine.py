@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .attention import BatchLayout, make_backend
+from .attention import make_backend
 from .chat import NO_PROMPT_AFTER, ChatState, ChatTemplate
 from .constraints import Constraint, parse_constraint
 from .engine_calls import EngineCalls, engine_call
@@ -833,8 +833,8 @@ class Engine:
         limit = self.config.max_position_embeddings
         if have + adding > limit:
             room = f"add at most {limit - have:,}" if have < limit else "it is full; fork from an earlier point"
-            why = (f" (its sliding window: past it the model would forget the oldest tokens, which dendrite-nb "
-                   f"does not do)" if self.config.sliding_window else "")
+            why = (" (its sliding window: past it the model would forget the oldest tokens, which dendrite-nb "
+                   "does not do)" if self.config.sliding_window else "")
             least = "at least " if at_least else ""
             raise ContextOverflow(f"branch {name!r} needs {least}{have + adding:,} tokens ({have:,} + "
                                   f"{least}{adding:,}), the model allows {limit:,}{why}: {room}.")

@@ -111,3 +111,20 @@ def install_in_session(engine, source="test"):
     session.engine = None
     session.autosave = None
     session.install(engine, source, False)
+
+
+def results_of_threads(calls, timeout_s: float = 120) -> list:
+    """Run each zero-argument call on its own thread, all at once; their results in order (None if one raised)."""
+    import threading
+
+    results = [None] * len(calls)
+
+    def run(index):
+        results[index] = calls[index]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    return results

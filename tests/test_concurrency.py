@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dendrite_nb import DecodeStep, DendriteError, Engine, SamplingParams
+from conftest import results_of_threads
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -54,15 +55,8 @@ def test_two_threads_generating_get_the_tokens_of_two_calls_in_a_row(checkpoint)
     for engine in (sequential, concurrent):
         engine.new_branch("x", "The cat sat")
         engine.new_branch("y", "A dog ran")
-    expected = {name: decode(sequential, name) for name in ("x", "y")}
-    results = {}
-    threads = [threading.Thread(target=lambda n=name: results.__setitem__(n, decode(concurrent, n)))
-               for name in ("x", "y")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert results == expected
+    expected = [decode(sequential, name) for name in ("x", "y")]
+    assert results_of_threads([lambda: decode(concurrent, "x"), lambda: decode(concurrent, "y")]) == expected
     concurrent.audit()
 
 

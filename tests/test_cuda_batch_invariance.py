@@ -7,13 +7,12 @@
   part after a near-tie. The README states exactly this.
 - Two threads generating on one engine with CUDA graphs get the tokens of two calls in a row.
 """
-import threading
-
 import pytest
 import torch
 
 from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.testing import REAL_SHAPES
+from conftest import results_of_threads
 
 pytestmark = pytest.mark.gpu
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, ignore_eos=True)
@@ -82,15 +81,6 @@ def test_two_threads_generating_with_cuda_graphs_get_the_tokens_of_two_calls_in_
     names = [f"trunk/{i}" for i in range(LEAVES)]
     halves = [names[: LEAVES // 2], names[LEAVES // 2:]]
     expected = [sequential.generate(half, STEPS, SAMPLED) for half in halves]
-    results = [None, None]
-
-    def run(index):
-        results[index] = concurrent.generate(halves[index], STEPS, SAMPLED)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert results == expected
+    calls = [lambda half=half: concurrent.generate(half, STEPS, SAMPLED) for half in halves]
+    assert results_of_threads(calls) == expected
     concurrent.audit()

@@ -477,7 +477,7 @@ def test_a_save_deletes_the_stale_temporaries_of_its_target_only(small, tmp_path
             f"{prefix}otherhost-1-mnop3456": "kept",                   # another host's, fresh: maybe still writing
             f"{prefix}{HOST}-{sleeper.pid}-qrst7890": "kept",          # its writer is still running
             f"{temporary_prefix(tmp_path / 'other')}{HOST}-{dead_pid()}-uvwx1234": "kept",   # another target's
-            f".s.dendrite.x1b2c3d4": "kept",                           # not this naming at all
+            ".s.dendrite.x1b2c3d4": "kept",                           # not this naming at all
             f"s.dendrite{MARK}{HOST}-{dead_pid()}-yzab5678": "kept",   # no leading dot: not a temporary
         }
         for name, kind in files.items():
