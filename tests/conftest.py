@@ -114,7 +114,10 @@ def install_in_session(engine, source="test"):
 
 
 def results_of_threads(calls, timeout_s: float = 120) -> list:
-    """Run each zero-argument call on its own thread, all at once; their results in order (None if one raised)."""
+    """Run each zero-argument call on its own thread, all at once; their results in order (None if one raised).
+    The interpreter switches threads every microsecond meanwhile (not every 5 ms), so that unguarded calls
+    would interleave inside a decode step, not only between whole calls."""
+    import sys
     import threading
 
     results = [None] * len(calls)
@@ -123,8 +126,13 @@ def results_of_threads(calls, timeout_s: float = 120) -> list:
         results[index] = calls[index]()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout_s)
+    finally:
+        sys.setswitchinterval(interval)
     return results
