@@ -136,3 +136,17 @@ def results_of_threads(calls, timeout_s: float = 120) -> list:
     finally:
         sys.setswitchinterval(interval)
     return results
+
+
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler (KeyboardInterrupt) for one test, then the one before it: a test run started in
+    the background of a non-interactive shell inherits SIGINT ignored, and then no signal reaches the engine."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach only the main thread")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

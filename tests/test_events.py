@@ -62,7 +62,7 @@ def test_interrupt_from_a_listener_keeps_completed_steps_and_continues_exactly(e
     assert [a + b for a, b in zip(caught.value.outputs, rest)] == uninterrupted
 
 
-def test_sigint_in_the_middle_of_a_forward_stops_after_that_step(engine, monkeypatch):
+def test_sigint_in_the_middle_of_a_forward_stops_after_that_step(engine, monkeypatch, sigint_raises):
     root = engine.new_branch("root", "Once upon a time")
     calls = {"n": 0}
     real_forward = engine._run_forward   # every forward, prefill chunks and decode steps, runs through it

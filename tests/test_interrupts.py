@@ -1,8 +1,4 @@
-"""Real SIGINTs (what Kernel > Interrupt sends) wherever they land: never dropped, never leaving damage.
-
-Each test installs Python's own SIGINT handler for its duration: a test run started in the background of a
-non-interactive shell inherits SIGINT ignored, and then no signal would reach the engine at all.
-"""
+"""Real SIGINTs (what Kernel > Interrupt sends) wherever they land: never dropped, never leaving damage."""
 import os
 import random
 import signal
@@ -19,13 +15,7 @@ from conftest import engine_state
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def sigint_raises():
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach only the main thread")
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
+pytestmark = pytest.mark.usefixtures("sigint_raises")   # conftest: Python's own handler, whatever CI inherited
 
 
 def ctrl_c() -> None:
