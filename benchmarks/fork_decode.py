@@ -45,7 +45,7 @@ def fork_and_first_step(engine, root, forks: int, repeats: int):
             engine.prune(kids)
             # Dropped here, the pruned leaves' handles free their objects (generators, nodes) now. Left to the
             # assignment below, that teardown ran inside the timed fork: 0.67-0.71 ms a fork on the CI CPU
-            # against 0.35 ms (benchmarks/REPORT.md).
+            # against 0.35 ms (docs/lab/gpu-many-branches.md).
             kids = None
         sync(engine.device)
         gc.disable()

@@ -8,9 +8,9 @@ the epilogue) next to the separate kernels they replace. Times are CUDA-graph re
 (bench_common.kernel_seconds). GPU only.
 
 With --chain-sweep instead: the 0.6B one-row chain of products (28 layers and the LM head, as a decode step
-runs them, one CUDA graph; probe_persistent_chain.Chain), each product's settings timed inside it, the other
-products at their defaults. There the kernels overlap at their boundaries (PDL), which single kernels with
-the L2 flushed do not show.
+runs them, one CUDA graph; the Chain of docs/lab/probes/probe_persistent_chain.py), each product's settings
+timed inside it, the other products at their defaults. There the kernels overlap at their boundaries (PDL),
+which single kernels with the L2 flushed do not show.
 
     python benchmarks/tune_gemv.py [--chain-sweep]
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -34,6 +36,8 @@ SETTINGS = [(block_n, block_k, warps, stages) for block_n in (4, 8, 16, 32, 64) 
 
 def chain_sweep(setup, floors) -> None:
     """Each 0.6B product's settings (SETTINGS at 3 stages) timed inside the whole one-row chain."""
+    # The chain of gemv launches is the persistent-chain probe's control; the probe lives in the lab now.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs" / "lab" / "probes"))
     from probe_persistent_chain import SHAPE_06B, Chain
 
     chain = Chain(SHAPE_06B, 28, setup.device, torch.bfloat16, torch.Generator().manual_seed(0))

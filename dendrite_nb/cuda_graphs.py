@@ -32,7 +32,7 @@ from .attention.base import BatchLayout
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens per graph
 # Prefills replay graphs when each sequence brings at most PREFILL_GRAPH_RUN_TOKENS (an instruction, a message)
 # and all of them at most PREFILL_GRAPH_TOKENS. A long document's chunks stay eager: each chunk's context
-# differs, so their shapes rarely repeat, and capturing them evicted graphs that did (benchmarks/REPORT.md).
+# differs, so their shapes rarely repeat, and capturing them evicted graphs that did (docs/lab/gpu-many-branches.md).
 PREFILL_GRAPH_RUN_TOKENS = 128
 PREFILL_GRAPH_TOKENS = 1024
 SEEN_PREFILL_SHAPES = 256  # prefill shapes remembered for their second sighting (least recently seen dropped)
@@ -40,7 +40,7 @@ MAX_GRAPHS = 32  # least recently used graphs beyond this are dropped (each hold
 # The BLAS library whose kernels a graph captures for the products it sends to cuBLAS (more rows than
 # kernels/skinny.py takes: 1,000 leaves took 22.0 ms a step against 22.7 with cuBLAS). For 64 rows of an 8B
 # model, before skinny took them, cuBLASLt ran the layer's products in 4.00 ms a step against 4.21 (no split-K
-# reduce, one kernel shape for o and down) (benchmarks/REPORT.md). Eager forwards keep torch's default.
+# reduce, one kernel shape for o and down) (docs/lab/gpu-decode-step.md). Eager forwards keep torch's default.
 GRAPH_BLAS_LIBRARY = "cublaslt"
 
 

@@ -325,7 +325,8 @@ def test_products_go_to_gemv_skinny_or_cublas_by_rows():
 @pytest.mark.gpu
 def test_products_on_a_gpu_go_to_skinny_only_in_forwards_that_graphs_capture():
     """An eager step on a GPU is bound by the host's launches, and skinny's cost the host more than cuBLAS's
-    (benchmarks/REPORT.md): few rows go to skinny only inside graph_products(), which wraps a graph's capture."""
+    (docs/lab/gpu-fast-path.md, fourteenth session): few rows go to skinny only inside graph_products(), which
+    wraps a graph's capture."""
     weight = torch.randn(64, 32, device="cuda")
 
     def kinds():

@@ -30,72 +30,45 @@ from .triton_decode_kernel import decode_tile_attention_kernel
 from .triton_kernels import ITEM_COLS, LOG2E, merge_partials_kernel, segment_attention_kernel
 from .triton_plan import HostPlan, PlanShape, build_host_plan
 
+# Launch settings, tuned on H100s and H200s (tune_tree_attention.py, tune_one_tile.py). A line or two each says
+# why; docs/lab/triton-constants.md has each constant's measurements by name, and benchmarks/REPORT.md ("Tree
+# attention", "Decode step") the figures they give today.
 BLOCK_N = 64  # KV positions per inner step
 INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small tiles keep tests fast
-# Tile shapes measured on an H200 (benchmarks/REPORT.md): 256 rows x 8,192 shared tokens, 8B heads.
-# Query vectors (rows x group heads) per item for segments read by many rows: a segment takes the
-# narrowest tile that holds all its rows (a mid-level node of 16 rows x 4 heads fills a 64-wide tile, not
-# half of a 128-wide one), or as many of the widest as it needs.
+# Query vectors (rows x group heads) per item of a segment read by many rows: the narrowest width that holds its
+# rows (a 16-row x 4-head node fills a 64-wide tile, not half of a 128-wide one), else as many of the widest.
 TILE_WIDTHS = (64, 128)
-# num_warps, num_stages of wide tiles. 4 warps of a 128-wide tile spill 36 registers, 8 warps none, yet 8 warps
-# were slower on an H200 (the 128-wide launch timed alone, as tune_tree_attention.py --launches does: tree_attention
-# (i) 124.7 against 93.4 us, decode_step (a)'s layout 29.0 against 23.0; benchmarks/REPORT.md).
-WIDE_LAUNCH = (4, 3)
+WIDE_LAUNCH = (4, 3)  # num_warps, num_stages of wide tiles: 8 warps spill no registers, yet were slower
 NARROW_LAUNCH = (4, 2)  # num_warps, num_stages of 16-wide tiles (a few rows, or one row's heads)
 # BLOCK_N, num_warps, num_stages of the narrowest tiles when all their runs are short (PlanShape.short_runs):
-# on tree_attention (i), 256 leaves' one token each under an 8,192-token prefix, the whole layer went from 144
-# to 131 us with them (H200, benchmarks/REPORT.md); 64-token runs were 1% slower with them, so only short ones.
+# 256 one-token leaves under one prefix took 9% less a layer with them, 64-token runs 1% more: short runs only.
 SHORT_RUN_LAUNCH = (16, 2, 1)
 MIN_CHUNK_TOKENS = 64  # a long run is split into chunks of at least this many positions for parallelism
 PROGRAMS_PER_SM = 2  # chunks are cut until each launch's items x KV heads fill the GPU about this many times
-# The merge: one program of one warp per (row, query head), reading 8 partial slots per iteration. Measured
-# on an H200 (exp. in benchmarks/REPORT.md): 256 rows x 5 slots x 32 heads took 29 us with 4 warps and 16
-# slots per step, about 7 us like this; 2 heads or 4 heads per program, or 2 warps, were slower.
+# The merge: one program of one warp per (row, query head), reading 8 partial slots an iteration: about 4x faster
+# than 4 warps and 16 slots; 2 or 4 heads a program, or 2 warps, were slower.
 MERGE_BLOCK_H = 1
 MERGE_BLOCK_S = 8
 MERGE_WARPS = 1
-# A decode step of one-row runs (leaves that share nothing worth reading once) is cut into single KV tiles, and
-# RoPE, the KV append and the attention run in one launch per layer (triton_decode_kernel.py): with the narrowest
-# of ONE_TILE_WIDTHS whose programs (tiles x KV heads) stay within ONE_TILE_PROGRAMS_PER_SM a multiprocessor,
-# ONE_TILE_WARPS warps. Past that, chunks of several tiles (the general kernel) write and merge fewer partials.
-# Measured with benchmarks/tune_one_tile.py (one 0.6B leaf, decoder graph alone). H100: 128-position tiles with 8
-# warps were the fastest of eight settings (without 256), 6% faster than the general path at 512 and 2,048 tokens
-# (40 and 136 programs), 3% slower at 4,096 (264) and 21% at 8,192 (520), where programs no longer start together
-# and each waits with its tile loaded. H200 (twenty-second session), graph ms, 128 / 256-wide / general: 0.616 /
-# 0.689 / 0.662 at 512 tokens (32 / 16 programs); 0.627 / 0.686 at 1,024; 0.637 / 0.693 at 1,536 (96 / 48);
-# 0.781 / 0.717 / 0.830 at 2,048 (128 / 64); 0.740 / 0.826 general at 3,072 (96 programs of 256); 0.922 / 0.904
-# general at 4,096 (128 programs of 256). So a width while its programs stay within about 0.75 a multiprocessor
-# (99 of 132), the narrowest first.
-ONE_TILE_WIDTHS = (128, 256)
-ONE_TILE_WARPS = 8
-ONE_TILE_PROGRAMS_PER_SM = 0.75
+# One-row decode steps (leaves that share nothing worth reading once) run RoPE, the KV append and the attention of
+# one KV tile in one launch a layer (triton_decode_kernel.py), with the narrowest of ONE_TILE_WIDTHS whose programs
+# (tiles x KV heads) stay within ONE_TILE_PROGRAMS_PER_SM a multiprocessor; past that, the general kernels chunk.
+ONE_TILE_WIDTHS = (128, 256)  # one 0.6B leaf on an H200: 128 fastest up to ~1,500 tokens, 256 up to ~3,000
+ONE_TILE_WARPS = 8  # 8 warps beat 4 at every width tried (H100 and H200)
+ONE_TILE_PROGRAMS_PER_SM = 0.75  # a width paid off only up to about this many programs a multiprocessor (H200)
 INTERPRET_ONE_TILE_WIDTHS = (16, 32)  # the interpreter's (INTERPRET_BLOCK_N and twice it: tests reach both)
-# Shared memory: the settings above were tuned on Hopper (227 KB a block). GPUs with 99 KB a block (DGX Spark's
-# GB10, RTX 40xx/50xx, L40S) cannot run a bf16 256-wide fused tile (135 KB) nor float32's wide launch (164 KB);
-# a float32 256-wide fused tile (270 KB) fits no GPU. A launch that does not fit steps down (smaller_launch) and
-# a fused width that does not fit gives way to the general kernels, once per backend (tests/gpu_compile.py
-# prints each variant's bytes; benchmarks/REPORT.md has the table).
+# GPUs with 99 KB of shared memory a block (GB10, RTX 40xx/50xx, L40S) cannot run every launch above (tuned on
+# Hopper's 227 KB): one that does not fit steps down (smaller_launch), a fused width gives way to the general path.
 MIN_BLOCK_N = 16  # tl.dot's smallest tile side
-# TMA (Hopper and later): a run whose blocks are consecutive in the pool (a prefix prefilled into a fresh pool)
-# loads its unmasked KV tiles through tensor descriptors, in tiles of at most TMA_TILE_WIDTH query vectors.
-# benchmarks/probe_prefix_tma.py (H100): decode_step's (a) prefix (256 vectors x 4,096 positions a KV head) took
-# 15.7 us in 64-wide TMA tiles cut 8 ways, against 20.0 us for the block-table loads in 128-wide tiles cut 16
-# ways as the engine planned it, and half the partials to merge; tree_attention's (i) 69.4 against 86.7 us.
-# Block-table loads in 64-wide tiles were slower than in 128-wide ones, so runs that are not consecutive keep
-# the 128-wide tiles. Decode steps only: a prefill of consecutive blocks in 64-wide TMA tiles was slower than in
-# 128-wide block-table tiles (H100, prefill_chunks.py, 4,096-token chunks: 0.6B x 16,384 tokens 168.5 against
-# 141.0 ms, 8B 633.6 against 553.4). Automatic for bf16 and fp16 caches on Hopper, where it was measured
-# (tma=True elsewhere: consumer Blackwell's 99 KB of shared memory a block holds fewer stages of the launch's
-# 112 KB, stepping down).
-TMA_TILE_WIDTH = 64
-TMA_MEASURED_MAJOR = 9  # compute capability 9.x: H100, H200, GH200
+# TMA (Hopper and later): a decode run whose blocks are consecutive in the pool (a prefix prefilled into a fresh
+# pool) loads its unmasked KV tiles through tensor descriptors: decode (a) 4-6% faster a step. Prefills keep the
+# block-table loads: through TMA they were 5-19% slower.
+TMA_TILE_WIDTH = 64  # TMA's fastest tile width; block-table loads stay faster in 128-wide tiles
+TMA_MEASURED_MAJOR = 9  # compute capability 9.x (H100, H200, GH200): automatic only where it was measured
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 in hardware, which Triton's fp8e4nv needs
-# Partial outputs and their log-sum-exps are float32. low_precision_partials=True stores the outputs in the
-# activations' dtype instead (as FlashInfer's merge_state takes them): a long shared prefix writes one per chunk
-# and row (decode_step's (a): 16 MB a layer in float32) and the merge reads them back. Measured on an H100
-# (tune_tree_attention.py --launches, nineteenth session): the merges ran 35-40% faster in bf16, but the
-# 128-wide launch spilled more for the conversion and ran 11% slower, so whole layers were 7-13% slower on
-# tree_attention (i) and (ii) and 2% faster on (a). Not the default.
+# Partial outputs and their log-sum-exps are float32; low_precision_partials=True stores the outputs in the
+# activations' dtype (as FlashInfer's merge_state takes them): merges 35-40% faster, layers 7-13% slower on long
+# shared prefixes.
 LOW_PRECISION_PARTIALS = False
 
 

@@ -4,7 +4,8 @@ q/k norms, the KV append and the attention of the tile, and merge_partials_kerne
 The general path takes rope_qk (with its append), segment_attention_kernel, then the same merge.
 
 Why: a one-row step of a 0.6B model is a chain of about 200 short kernels, and each costs a few microseconds
-of dependent latency however little it does (benchmarks/REPORT.md, decode (b)). One of them per layer goes.
+of dependent latency however little it does (docs/lab/gpu-fast-path.md, eighteenth session). One of them per
+layer goes.
 
 Program (item, KV head):
 - Before the PDL wait (kernels/pdl.py) it loads what no kernel of this step writes: the plan, the RoPE table
@@ -20,7 +21,7 @@ Program (item, KV head):
 
 Tried and not kept: the merge in this kernel too, by the program that finishes a row last (a counter per row
 and KV head: barrier, release-acquire atomic, barrier, reads through L2). It was slower than the merge launch
-it replaced (benchmarks/REPORT.md, "Fused decode attention").
+it replaced (docs/lab/gpu-fast-path.md, eighteenth session).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ p - kv_start), else -1.
 Consecutive blocks let a step's K and V tiles come through TMA (TMA=True: tensor descriptors over the cache as
 [slots, kv_heads x head_dim]): one copy per tile issued by one thread, instead of every thread computing the
 address of each 16 bytes it loads through the block table. A prefix prefilled into a fresh pool lies in
-consecutive blocks. Measured in benchmarks/probe_prefix_tma.py and REPORT.md.
+consecutive blocks. Measured in docs/lab/probes/probe_prefix_tma.py (docs/lab/gpu-sessions-23-26.md).
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def segment_attention_kernel(
     # The plan, uploaded before the step, loads before the wait: the item, its rows and their positions, three
     # dependent loads off the critical path. Every program waits, padding ones too: the next launch counts on
     # it. (Loading the first KV tile early as well, all but a row's own new token, made long runs 50% slower:
-    # benchmarks/REPORT.md.)
+    # docs/lab/gpu-fast-path.md, sixth session.)
     # A later tile width's launch reads nothing its predecessor (the previous width's launch) writes, so it
     # runs alongside it and waits only before it ends: the merge after it still finds every partial written.
     item = tl.program_id(0)

@@ -160,7 +160,7 @@ def build_host_plan(runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]
     run length). Long runs split until the launch fills the GPU, and short ones stay whole.
 
     linear_width (one of widths; 0: none): runs whose blocks are consecutive in the pool get their items'
-    linear slots, and take tiles of at most this width (the TMA launch's best: benchmarks/REPORT.md); other
+    linear slots, and take tiles of at most this width (the TMA launch's best: docs/lab/gpu-sessions-23-26.md); other
     items' linear slots are -1.
 
     Items come out run by run, tile by tile (rows in run order), chunk by chunk, and each item's rows take the

@@ -2,7 +2,7 @@
 optionally with the RMSNorm before it (and the residual add before that) folded into its prologue, or the
 SwiGLU after it folded into its epilogue.
 
-cuBLAS runs the M = 1 GEMMs of a 0.6B model at about a third of memory bandwidth (benchmarks/REPORT.md): its
+cuBLAS runs the M = 1 GEMMs of a 0.6B model at about a third of memory bandwidth (docs/lab/gpu-decode-step.md): its
 tiles are built for more rows. Here a program reads BLOCK_N rows of W in BLOCK_K columns at a time for one
 row of x, accumulates products elementwise in float32 and reduces once at the end; the rows of x (at most
 MAX_ROWS) are a second grid axis and find W in the L2 cache. Rounded to x's dtype once, as cuBLAS does.
@@ -15,7 +15,7 @@ needs a gate row and its up row, which one program reads side by side. Rounding 
 
 Why the first two K chunks of W load before anything else: they depend on no other kernel, so under
 programmatic dependent launch (pdl.py) they stream in while the kernel before is still finishing. On an
-H200 a 0.6B step's 113 GEMVs went from 0.673 to 0.473 ms as a CUDA graph with this (benchmarks/REPORT.md).
+H200 a 0.6B step's 113 GEMVs went from 0.673 to 0.473 ms as a CUDA graph with this (docs/lab/gpu-fast-path.md).
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, K,
 def default_config(out_features: int, width: int, swiglu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] weight: the fastest of a sweep of
     102 settings over the 0.6B and 8B shapes at one row (H200, L2 flushed), then for o_proj and down_proj the
-    fastest of four chunk widths in a whole 0.6B step's chain of GEMVs under PDL (benchmarks/REPORT.md)."""
+    fastest of four chunk widths in a whole 0.6B step's chain of GEMVs under PDL (docs/lab/gpu-fast-path.md)."""
     if out_features >= 32768:  # an LM head: 81 us for 152k x 1,024 (3.9 TB/s), 96 us with the rule below
         block_n, block_k, warps = 32, 128, 8
     elif out_features <= 2048:  # few rows of W, each long (o_proj, down_proj): 4 rows a program fill the GPU,

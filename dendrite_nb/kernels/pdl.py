@@ -10,7 +10,7 @@ the first layer). Those loads then overlap the previous kernel's tail, as does t
 
 Why: a one-row decode step of a 0.6B model is about 200 kernels of 2 to 10 us each. On an H200 its chain of
 GEMVs alone went from 0.673 to 0.473 ms with PDL and the weight loads moved before the wait
-(benchmarks/REPORT.md). Kernels without PDL (torch's, cuBLAS's) keep full stream order around these.
+(docs/lab/gpu-fast-path.md). Kernels without PDL (torch's, cuBLAS's) keep full stream order around these.
 """
 from __future__ import annotations
 

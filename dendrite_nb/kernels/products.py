@@ -19,7 +19,7 @@ graphs, skinny won every pair (8B at 5 rows: 4.63 against 5.15 ms; 0.6B: 1.02 ag
 gemv keeps one row eagerly too: there it beat cuBLAS with its separate norm and SwiGLU kernels (decode step
 (b) 10.1-11.1 against 11.9 ms).
 
-benchmarks/REPORT.md has the measurements behind the row limits.
+docs/lab/gpu-fast-path.md (seventh, thirteenth and fourteenth sessions) has the measurements behind the row limits.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 sampling.sample draws token argmax(p / E), E ~ Exp(1) per vocabulary entry, from each row's own generator:
 on a GPU that is a division, a softmax, one noise launch per row (each row has its own generator), another
 division and an argmax, about ten launches a step, which the host pays for in Python (0.24 ms a step at 5
-rows on an H200 machine, benchmarks/REPORT.md). The same race in log space needs no softmax:
+rows on an H200 machine, docs/lab/gpu-fast-path.md). The same race in log space needs no softmax:
 argmax(logits / T - log E). Here one launch does it all: each program takes BLOCK_V entries of a row, makes
 its own uniforms with Philox (tl.rand) keyed by the row's (seed, offset), and writes the best of its chunk;
 the last program of a row to finish (an atomic count) picks the row's winner among the chunks and resets the

@@ -11,7 +11,7 @@ ones between the products (the norms before q/k/v and gate/up, the SwiGLU after 
 ramp for a few KB. Folding them here takes three kernels a layer away. And this kernel, unlike cuBLAS,
 launches under PDL (pdl.py), so its launch overlaps the kernel before it. Above FOLD_ROWS rows the norm is
 better left to its own kernel (every program would redo its elementwise work on all of x: at 64 rows the 8B
-q/k/v took 41 us against 22, benchmarks/REPORT.md); products.py does so. Even then the chains of products at
+q/k/v took 41 us against 22, docs/lab/gpu-fast-path.md); products.py does so. Even then the chains of products at
 17 to 64 rows ran 1-7% (8B) and 2-19% (0.6B) faster than cuBLASLt's with the same separate kernels.
 
 The norm folds in one pass over x: weight * rmsnorm(s) @ W.T equals rstd * ((weight * s) @ W.T) row by
@@ -23,13 +23,13 @@ to x's dtype where they round rmsnorm(s) and then weight * rmsnorm(s). The SwiGL
 Split-K, for small products: a 0.6B projection is 16 to 64 tiles of W's rows, so most of an H200's 132
 multiprocessors would idle. Programs then also split K, and the last program of each tile to finish adds the
 partials up in split order (deterministic) and runs the epilogue; no second kernel. On an H200 a 0.6B
-model's chain of products at 8 rows went from 0.83 to 0.67 ms with it (benchmarks/REPORT.md). An 8B
+model's chain of products at 8 rows went from 0.83 to 0.67 ms with it (docs/lab/gpu-fast-path.md). An 8B
 projection is split only while all the split programs stay resident in one wave (o and down: 64 tiles,
 2 ways); a second wave of them costs more.
 
 Under PDL each program first asks for its first chunks of W in L2 (default_prefetch), then waits for the kernel
 before it: W depends on no kernel, so its first bytes stream in during that kernel's tail. The chains of
-products at 8 rows on an H200: 0.6B 0.670 -> 0.630 ms, 8B 3.862 -> 3.810 ms (benchmarks/REPORT.md).
+products at 8 rows on an H200: 0.6B 0.670 -> 0.630 ms, 8B 3.862 -> 3.810 ms (docs/lab/gpu-fast-path.md).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ MIN_BLOCK_M = 16  # x's rows are padded at least to tl.dot's smallest tile (row_
 FOLD_ROWS = 16  # the most rows at which the norm folds in well (every program redoes its work on all of x)
 # W's first BLOCK_K chunks that a program asks into L2 before its PDL wait (default_prefetch), for small products
 # (at most SMALL_PRODUCT) or more than FOLD_ROWS rows, and for large ones. Chains of products on an H200
-# (benchmarks/REPORT.md): at 8 rows 0.6B 0.670 -> 0.632 ms with 1 (2: 0.650, 4: 0.659), 8B 3.854 -> 3.797 ms
+# (docs/lab/gpu-fast-path.md): at 8 rows 0.6B 0.670 -> 0.632 ms with 1 (2: 0.650, 4: 0.659), 8B 3.854 -> 3.797 ms
 # with 2 (1: 3.810, 4: 3.802); 8B at 64 rows 4.096 -> 4.035 ms with 1 (2: 4.059).
 PREFETCH_SMALL, PREFETCH_LARGE = 1, 2
 # Split-K (default_splits, _gather_splits): for products whose tiles along N alone leave multiprocessors idle.
@@ -124,7 +124,7 @@ def _prefetch_first_chunks(w_ptr, n, N, k_lo, k_hi, stride_wn, SWIGLU: tl.conste
     LINE_ELEMENTS elements per row of a chunk; nothing into registers), so that they stream in while the kernel
     before this one finishes (PDL). The loop that follows is left as it is, and so is Triton's pipelining of it:
     loading the first chunks into registers instead broke that pipelining (3-4% slower at 8B,
-    benchmarks/REPORT.md). Addresses past W's edge are clamped to it."""
+    docs/lab/gpu-decode-step.md). Addresses past W's edge are clamped to it."""
     rows = tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_wn
     lines = tl.arange(0, LINES) * LINE_ELEMENTS
     for c in tl.static_range(CHUNKS):
@@ -192,7 +192,7 @@ def _gather_splits(acc, acc_up, row_squares, part_ptr, count_ptr, pid_n, pid_k, 
 def default_config(out_features: int, width: int, norm: bool = False, swiglu: bool = False,
                    rows: int = FOLD_ROWS) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product, from sweeps of 30 settings
-    at 8 rows over the 0.6B and 8B projections and LM heads (H200, benchmarks/REPORT.md). A large product
+    at 8 rows over the 0.6B and 8B projections and LM heads (H200, docs/lab/gpu-fast-path.md). A large product
     (8B) streams W in tiles of 64 rows with 4-stage pipelines; the gate/up tiles (two of them, for the
     SwiGLU) in narrower chunks, an LM head too. The 8B settings were picked inside a whole chain of
     products, one product's setting varied at a time (tune_skinny.py --chain-sweep), where kernels overlap at
@@ -202,7 +202,7 @@ def default_config(out_features: int, width: int, norm: bool = False, swiglu: bo
     its K. Above FOLD_ROWS rows (x padded to 32 or 64; the norm is not folded there) the products take 64 x 128
     tiles of W, in 5 stages (4 above 32 rows for a small product, or gate/up's two tiles), and an LM head above
     32 rows 128 x 64 tiles in 8 warps: the fastest of five settings in both models' chains of products at 17,
-    24, 32 and 64 rows (benchmarks/REPORT.md)."""
+    24, 32 and 64 rows (docs/lab/gpu-fast-path.md)."""
     if rows > FOLD_ROWS:
         if out_features >= 32768:
             block_n, block_k, warps, stages = (128, 64, 8, 4) if rows > 32 else (64, 128, 4, 4)

@@ -1,7 +1,7 @@
 """Probe: would the 0.6B one-row chain of products run faster if its weights were already in L2?
 
 Decode (b), one leaf of a 0.6B model, is 2.5x its floor, and its 113 one-row GEMVs alone add 0.47 ms against
-0.29 ms for their bytes (benchmarks/REPORT.md). This asks how much of that is HBM and how much is the launches.
+0.29 ms for their bytes (docs/lab/gpu-decode-step.md). This asks how much of that is HBM and how much is the launches.
 
 - "all layers share layer 0's weights": the same chain reading one layer's 30 MB again and again, so every
   product after the first finds its weights in L2. A bound: no prefetch can do better than this.
@@ -14,10 +14,12 @@ Decode (b), one leaf of a 0.6B model, is 2.5x its floor, and its 113 one-row GEM
 Printed beside them: the engine's chain of gemv launches (kernels/gemv.py, PDL) and the floor (the weights'
 bytes over the copy bandwidth). GPU only (inline PTX).
 
-    python benchmarks/probe_l2_prefetch.py [--layers 28]
+    python docs/lab/probes/probe_l2_prefetch.py [--layers 28]
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import statistics
 
@@ -25,8 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_common import graph_seconds
-from probe_persistent_chain import Chain, real_shape_chain, relative_error
+# A lab probe (docs/lab/probes/README.md); the benchmark helpers it imports (bench_common and the scripts
+# beside it) stay in benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from bench_common import graph_seconds  # noqa: E402
+from probe_persistent_chain import Chain, real_shape_chain, relative_error  # noqa: E402
 
 LINE_BYTES = 128
 BULK_BYTES = 1 << 16

@@ -1,7 +1,7 @@
 """Probe: does a one-row decode step get faster with each layer's MLP as ONE launch instead of two?
 
 Decode (b), one leaf of a 0.6B model, is latency-bound: with every weight already in L2 its chain of 113 GEMVs
-still takes 0.396 ms, about 3.5 us a launch (benchmarks/REPORT.md). A persistent kernel lost to the launches
+still takes 0.396 ms, about 3.5 us a launch (docs/lab/gpu-decode-step.md). A persistent kernel lost to the launches
 because its grid barriers cost more than a PDL boundary. This probe removes a boundary instead of replacing it:
 gate/up (with the norm and the SwiGLU) and down become one kernel, split over the intermediate size.
 
@@ -17,26 +17,31 @@ Printed beside it in the same run: the engine's chain of gemv launches (kernels/
 the same weights, and the floor (the weights' bytes over the copy bandwidth). All chains are CUDA graphs.
 In the fused chain the stream between layers is float32 (the next gemv's x is the atomics' sum), so the fair
 peer is the control: the same 4 gemv launches a layer with float32 activations (60 us slower a chain than
-bf16 on an H200). Result (benchmarks/REPORT.md): the fused MLP is 2-3% slower than the control.
+bf16 on an H200). Result (docs/lab/gpu-decode-step.md): the fused MLP is 2-3% slower than the control.
 
-    python benchmarks/probe_fused_mlp.py [--layers 28] [--block-i 8 16 32] [--warps 4 8]
+    python docs/lab/probes/probe_fused_mlp.py [--layers 28] [--block-i 8 16 32] [--warps 4 8]
 
-A probe, not an engine path: the result goes in benchmarks/REPORT.md either way. With TRITON_INTERPRET=1
+A probe, not an engine path: its result is in docs/lab/gpu-decode-step.md. With TRITON_INTERPRET=1
 (tiny shapes) it checks the fused chain against torch on the CPU.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 
 import torch
 import triton
 import triton.language as tl
 
-from probe_persistent_chain import (EPS, Chain, check_tiny_chain, print_chain_times, probe_device,
+# A lab probe (docs/lab/probes/README.md); the benchmark helpers it imports (bench_common and the scripts
+# beside it) stay in benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from probe_persistent_chain import (EPS, Chain, check_tiny_chain, print_chain_times, probe_device,  # noqa: E402
                                     real_shape_chain)
-from dendrite_nb.kernels.gemv import gemv
-from dendrite_nb.kernels.pdl import pdl_arguments, wait_for_inputs
-from dendrite_nb.kernels.swiglu import silu_times_up
+from dendrite_nb.kernels.gemv import gemv  # noqa: E402
+from dendrite_nb.kernels.pdl import pdl_arguments, wait_for_inputs  # noqa: E402
+from dendrite_nb.kernels.swiglu import silu_times_up  # noqa: E402
 
 
 # How a program adds its partial output (the kernel's ADD); constexpr, as Triton reads globals only as such.

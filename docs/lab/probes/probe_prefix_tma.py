@@ -19,13 +19,15 @@ against float32 attention. Figures: us and TFLOP/s next to the FLOP floor (4 x r
 the matmul rate measured here) and the bytes floor (the prefix's K/V once / copy bandwidth). Compare with
 `tune_tree_attention.py --only default --launches`, which times the engine's own launches on the same layouts.
 
-    python benchmarks/probe_prefix_tma.py [--modes table linear tma dtma tma_ws dtma_ws] [--launches 4,3,64 ...]
+    python docs/lab/probes/probe_prefix_tma.py [--modes table linear tma dtma tma_ws dtma_ws] [--launches 4,3,64 ...]
 
-A probe, not an engine path: its figures go in benchmarks/REPORT.md. With --smoke it runs small shapes in
+A probe, not an engine path: its figures are in docs/lab/gpu-sessions-23-26.md. With --smoke it runs small shapes in
 Triton's CPU interpreter (a CI check of the three load paths).
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import dataclasses
 import functools
 import itertools
@@ -35,8 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_common import kernel_seconds, log, measure_copy_bandwidth, measure_matmul_rate, parser
-from bench_common import setup as make_setup
+# A lab probe (docs/lab/probes/README.md); the benchmark helpers it imports (bench_common and the scripts
+# beside it) stay in benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from bench_common import kernel_seconds, log, measure_copy_bandwidth, measure_matmul_rate, parser  # noqa: E402
+from bench_common import setup as make_setup  # noqa: E402
 
 LOG2E = 1.4426950408889634
 MODES = {"table": 0, "linear": 1, "tma": 2, "dtma": 3, "tma_ws": 4, "dtma_ws": 5}
@@ -211,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     arguments = parser(__doc__)
     arguments.add_argument("--modes", nargs="+", choices=list(MODES), default=["table", "linear", "tma"],
                            help="load paths to time; dtma / tma_ws / dtma_ws are the warp-specialisation trials "
-                                "(REPORT: no gain on the H200, and 4-warp launches fail to compile there)")
+                                "(docs/lab/gpu-sessions-23-26.md: no gain on the H200, and 4-warp launches fail to "
+                                "compile there)")
     arguments.add_argument("--chunks", nargs="+", type=int, default=None,
                            help="cut each case's prefix into these numbers of chunks (default: the engine's plan)")
     arguments.add_argument("--block-m", nargs="+", type=int, default=[128],

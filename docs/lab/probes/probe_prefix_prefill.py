@@ -13,18 +13,23 @@ Each is checked against float32 torch and printed next to the FLOP floor (4 x ro
 the matmul rate measured here) and the bytes floor (the prefix's K/V once / copy bandwidth). Compare with
 `tune_tree_attention.py --only default --launches`, which times the engine's launches on the same scenarios.
 
-    python benchmarks/probe_prefix_prefill.py
+    python docs/lab/probes/probe_prefix_prefill.py
 
-A probe, not an engine path: its figures go in benchmarks/REPORT.md. It needs a CUDA GPU.
+A probe, not an engine path: its figures are in docs/lab/gpu-fast-path.md. It needs a CUDA GPU.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import dataclasses
 
 import torch
 
-from bench_common import kernel_seconds, log, measure_copy_bandwidth, measure_matmul_rate, parser
-from bench_common import setup as make_setup
+# A lab probe (docs/lab/probes/README.md); the benchmark helpers it imports (bench_common and the scripts
+# beside it) stay in benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from bench_common import kernel_seconds, log, measure_copy_bandwidth, measure_matmul_rate, parser  # noqa: E402
+from bench_common import setup as make_setup  # noqa: E402
 
 PAGE_TOKENS = 16
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128   # Llama-3.1-8B

@@ -1,7 +1,7 @@
 """Probe: would one persistent kernel run a one-row decode step's chain of products faster than 113 launches?
 
 Decode (b), one leaf of a 0.6B model, is 2.5x its floor; its 113 one-row GEMVs alone add 0.46 ms to the step
-against 0.29 ms for their bytes (benchmarks/REPORT.md). Each of them is a kernel: it waits for the one before
+against 0.29 ms for their bytes (docs/lab/gpu-decode-step.md). Each of them is a kernel: it waits for the one before
 it to finish, loads x, and only the first chunks of its W were loaded before that wait (PDL, kernels/pdl.py).
 
 Here the same chain runs as ONE kernel of a few programs per multiprocessor, all resident at once. Each phase
@@ -14,13 +14,15 @@ tile is stored, and spins until all have. No attention runs here: o reads the fi
 Printed beside it in the same run: the engine's chain of gemv launches (kernels/gemv.py, PDL) over the same
 weights, and the floor (the weights' bytes over the copy bandwidth). Both are CUDA graphs of whole chains.
 
-    python benchmarks/probe_persistent_chain.py [--layers 28] [--programs-per-sm 2]
+    python docs/lab/probes/probe_persistent_chain.py [--layers 28] [--programs-per-sm 2]
 
-A probe, not an engine path: the result goes in benchmarks/REPORT.md either way. With TRITON_INTERPRET=1 (one
+A probe, not an engine path: its result is in docs/lab/gpu-decode-step.md. With TRITON_INTERPRET=1 (one
 program, tiny shapes) it checks the kernel against torch on the CPU.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import statistics
 from typing import Callable
@@ -29,6 +31,10 @@ import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
+
+# A lab probe (docs/lab/probes/README.md); the benchmark helpers it imports (bench_common and the scripts
+# beside it) stay in benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 EPS = 1e-6
 # Qwen3-0.6B: hidden 1024, 16 q + 8 kv heads of 128, intermediate 3072, vocab 151,936.

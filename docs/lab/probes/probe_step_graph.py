@@ -15,22 +15,28 @@ C - B is what the tail costs the device; A - E bounds what one graph per step co
 kernels away (the results are wrong; the time is the point), each as D with parts of the attention left out:
   D without RoPE + append, without the merge, without both, and without any attention at all.
 
-    python benchmarks/probe_step_graph.py [--cases b tot tot8b] [--steps 20] [--replays 50]
+    python docs/lab/probes/probe_step_graph.py [--cases b tot tot8b] [--steps 20] [--replays 50]
 
-A probe, not an engine path: its figures go in benchmarks/REPORT.md. It needs a CUDA GPU.
+A probe, not an engine path: its figures are in docs/lab/gpu-fast-path.md. It needs a CUDA GPU.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import statistics
 import time
 
 import torch
 
-from bench_common import build_model, engine_variant, free_memory, log, parser, per_replay_seconds, random_ids
-from bench_common import setup as make_setup
-from decode_step import CASES, GREEDY, num_blocks
-from dendrite_nb.cuda_graphs import GRAPH_BLAS_LIBRARY, blas_library
-from profile_step import TOT_8B_CASE, TOT_CASE
+# A lab probe (docs/lab/probes/README.md); the benchmark helpers it imports (bench_common and the scripts
+# beside it) stay in benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from bench_common import (build_model, engine_variant, free_memory, log, parser,  # noqa: E402
+                          per_replay_seconds, random_ids)
+from bench_common import setup as make_setup  # noqa: E402
+from decode_step import CASES, GREEDY, num_blocks  # noqa: E402
+from dendrite_nb.cuda_graphs import GRAPH_BLAS_LIBRARY, blas_library  # noqa: E402
+from profile_step import TOT_8B_CASE, TOT_CASE  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
