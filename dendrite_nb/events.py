@@ -16,7 +16,7 @@ from typing import Callable, Union
 @dataclass(frozen=True, slots=True)
 class DecodeStep:
     step: int                   # 0-based index of this step within its generate call
-    max_steps: int              # the call's max_new_tokens
+    max_steps: int              # the steps the call takes at most: max_new_tokens x ceil(branches / max_batch)
     branches: tuple[str, ...]   # the branches decoded in this step, batch order
     tokens: tuple[int, ...]     # the token each of them appended
     finished: tuple[str, ...]   # those that stopped at this step (EOS or a stop string)
@@ -31,7 +31,7 @@ class DecodeStep:
 
 @dataclass(frozen=True, slots=True)
 class TreeChanged:
-    reason: str                 # "new_branch", "append", "fork", "prune" or "generate"
+    reason: str                 # "new_branch", "append", "fork", "prune", "preempt" or "generate"
     branches: tuple[str, ...]   # the branches the call named
 
 

