@@ -12,7 +12,6 @@ import math
 import numbers
 import os
 import time
-from concurrent import futures
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -633,7 +632,10 @@ class Engine:
                 logits = self._logits([resolved[i] for i in active])
         except BaseException as error:
             if masks is not None:   # a fill still running on the worker must not overlap the matchers' undo
-                futures.wait([masks[1]])   # (its own error, if any, is not the one to report)
+                try:
+                    masks[1].result()
+                except Exception:   # the fill's own error is not the one to report
+                    pass
                 masks = None
             self._journal.rollback()   # the unfinished step; the steps before it were committed
             if steps_done:
@@ -642,7 +644,7 @@ class Engine:
                 raise GenerationInterrupted(outputs, steps_done, max_new_tokens) from error
             raise
         if masks is not None:
-            futures.wait([masks[1]])
+            masks[1].result()
         self._calls.events.append(TreeChanged("generate", tuple(b.name for b in resolved)))
         return outputs
 
