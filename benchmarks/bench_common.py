@@ -24,7 +24,7 @@ import torch
 
 from dendrite_nb import Engine
 from dendrite_nb.attention import unavailable_reason
-from dendrite_nb.engine import DTYPES
+from dendrite_nb.config import DTYPES
 from dendrite_nb.kv import KVPool
 from dendrite_nb.model.config import ModelConfig
 from dendrite_nb.model.loader import random_model

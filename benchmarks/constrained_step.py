@@ -117,7 +117,7 @@ def main() -> None:
         kids = engine.fork(engine.new_branch(f"warm{batch}", "x"), batch)
         engine.generate(kids, 3, SamplingParams(ignore_eos=True), constraint={"json_schema": SCHEMA})
         engine.prune(f"warm{batch}", kids)
-    timings = Timings(engine._guidance)
+    timings = Timings(engine._grammars.guidance)
     print(f"{'batch':>5} {'free step ms':>13} {'constrained ms':>15} {'overhead':>9} {'fill ms':>8} "
           f"{'waited ms':>10} {'apply ms':>9}   (per step)")
     for batch in args.batches:

@@ -76,7 +76,7 @@ def stub_model(engine: Engine) -> None:
             record.node.last_hidden = row
         runner.last_hidden, runner.last_rows = rows_hidden, rows
     runner.run = run
-    engine._logits = lambda branches: logits[: len(branches)]
+    engine.model.logits = lambda rows_hidden: logits[: len(rows_hidden)]
 
 
 def time_steps(engine: Engine, leaves, calls: int, steps: int, frozen_heap: bool) -> tuple[float, float, int]:

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                 num_blocks=-(-length // BLOCK_SIZE) + 8, prefill_chunk_tokens=chunk)
                 if engine is None:
                     raise SystemExit(f"attention {args.attention!r} cannot run here: {reason}")
-                if args.no_tma and hasattr(engine.backend, "tma"):
+                if args.no_tma and engine.backend.capabilities.tma_loads:
                     engine.backend.tma = False
                 if setup.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(setup.device)

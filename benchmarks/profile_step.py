@@ -18,11 +18,11 @@ import time
 
 import torch
 
-import dendrite_nb.engine as engine_module
+import dendrite_nb.engine.decode as decode_module
 from bench_common import build_model, engine_variant, free_memory, kernel_seconds, log, parser, random_ids
 from bench_common import setup as make_setup
 from decode_step import CASES, GREEDY, SMOKE_CASES, Case, num_blocks
-from dendrite_nb import SamplingParams
+from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.attention.triton_backend import TritonAttention
 from dendrite_nb.attention.triton_plan import HostPlan
 from dendrite_nb.cuda_graphs import ForwardGraphs
@@ -32,20 +32,20 @@ from dendrite_nb.kv.tree import BranchTree
 
 # (owner, attribute, label): the host functions timed per step.
 HOST_PHASES = [
-    (engine_module.Engine, "_logits", "LM head launch"),
-    (engine_module.Engine, "_prepare_decode", "prepare step (token-free)"),
+    (decode_module.DecodeLoop, "_schedule", "schedule (masks, LM head launch)"),
+    (decode_module.DecodeLoop, "_plan", "plan step (token-free)"),
     (BranchTree, "append", "  tree.append"),
     (BranchTree, "block_table", "  block tables"),
     (SegmentCache, "segments", "  segments"),
     (ForwardGraphs, "prepare", "  graphs.prepare"),
     (TritonAttention, "host_plan", "    host_plan"),
     (HostPlan, "pack", "    pack"),
-    (engine_module, "sample", "sample (launch)"),
+    (decode_module, "sample", "sample (launch)"),
     (ForwardRunner, "read_back", "read_back"),
-    (engine_module.Engine, "_finish_decode", "finish step (forward launch)"),
+    (decode_module.DecodeLoop, "_launch", "launch step (forward)"),
     (ForwardGraphs, "launch", "  graphs.launch"),
     (torch.cuda.CUDAGraph, "replay", "    graph.replay"),
-    (engine_module.Engine, "_emit", "_emit (listeners)"),
+    (Engine, "_emit", "_emit (listeners)"),
 ]
 # Attention variants: (label, TritonAttention keyword arguments).
 ATTENTION_VARIANTS = [

@@ -22,7 +22,7 @@ import torch
 from bench_common import (build_model, engine_variant, free_memory, log, measure_floors, model_costs, parser,
                           per_replay_seconds, random_ids, setup as make_setup, time_calls)
 from dendrite_nb import SamplingParams
-from dendrite_nb.attention.triton_backend import ONE_TILE_PROGRAMS_PER_SM, ONE_TILE_WARPS, ONE_TILE_WIDTHS
+from dendrite_nb.attention.triton_tuning import ONE_TILE_PROGRAMS_PER_SM, ONE_TILE_WARPS, ONE_TILE_WIDTHS
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 LAUNCHES = [(64, 4), (128, 4), (128, 8)]

@@ -12,7 +12,7 @@ from .errors import (BranchExists, BranchPruned, ChatError, CheckpointError, Con
                      DendriteError, EmptyBranch, GenerationInterrupted, ModelDownloadError, OutOfBlocks, SaveFileError,
                      UnknownBranch, UnsupportedModel)
 from .events import DecodeStep, TreeChanged
-from .kv import Branch
+from .engine.branch_state import Branch
 from .sampling import SamplingParams
 from .step_history import StepHistory
 

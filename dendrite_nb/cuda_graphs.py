@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .attention.base import BatchLayout
+from .attention.base import BatchLayout, CapturableBackend
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens per graph
 # Prefills replay graphs when each sequence brings at most PREFILL_GRAPH_RUN_TOKENS (an instruction, a message)
@@ -37,10 +37,9 @@ PREFILL_GRAPH_RUN_TOKENS = 128
 PREFILL_GRAPH_TOKENS = 1024
 SEEN_PREFILL_SHAPES = 256  # prefill shapes remembered for their second sighting (least recently seen dropped)
 MAX_GRAPHS = 32  # least recently used graphs beyond this are dropped (each holds its plan buffers)
-# The BLAS library whose kernels a graph captures for the products it sends to cuBLAS (more rows than
-# kernels/skinny.py takes: 1,000 leaves took 22.0 ms a step against 22.7 with cuBLAS). For 64 rows of an 8B
-# model, before skinny took them, cuBLASLt ran the layer's products in 4.00 ms a step against 4.21 (no split-K
-# reduce, one kernel shape for o and down) (docs/lab/gpu-decode-step.md). Eager forwards keep torch's default.
+# The BLAS library a graph captures for products of more rows than kernels/skinny.py takes: cuBLASLt ran steps of
+# many leaves faster (REPORT "Fork, first decode step of 1,000 leaves, memory"; the runs:
+# docs/lab/constants-history.md). Eager forwards keep torch's default.
 GRAPH_BLAS_LIBRARY = "cublaslt"
 
 
@@ -71,7 +70,7 @@ class _Staged:
 
 
 class ForwardGraphs:
-    def __init__(self, model: torch.nn.Module, backend: Any, kv_layers: list, device: torch.device,
+    def __init__(self, model: torch.nn.Module, backend: CapturableBackend, kv_layers: list, device: torch.device,
                  block_size: int, sink_slot: int):
         self.model, self.backend, self.kv_layers = model, backend, kv_layers
         self.device, self.block_size, self.sink_slot = device, block_size, sink_slot

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .attention import BatchLayout
+from .attention import AttentionBackend, BatchLayout
 from .kv import AppendRecord, BranchTree, KVPool
 from .kv.cascade import SegmentCache
 
@@ -29,7 +29,7 @@ class PlannedForward:
 
 
 class ForwardRunner:
-    def __init__(self, model: torch.nn.Module, backend: Any, pool: KVPool, kv_layers: list, graphs: Any,
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, kv_layers: list, graphs: Any,
                  device: torch.device):
         self.model, self.backend, self.pool, self.kv_layers = model, backend, pool, kv_layers
         self.graphs, self.device = graphs, device
@@ -50,7 +50,7 @@ class ForwardRunner:
         """Everything of the forward but the token ids. Launches the copy-on-write block copies."""
         tables = [tree.block_table(record.node) for record in records]
         segments = None
-        if self.backend.reads_segments and all(q == 1 for q in q_lens):  # a decode step: read shared nodes once
+        if self.backend.capabilities.tree_segments and all(q == 1 for q in q_lens):  # a decode step: shared once
             segments = self.segments.segments(tree, [record.node for record in records], tables)
         layout = BatchLayout(q_lens=q_lens, kv_lens=[record.node.end for record in records], block_tables=tables,
                              segments=segments)

@@ -24,25 +24,46 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .chat import ChatState
+from .config import EngineConfig, check_pool_options, parse_device
 from .errors import ConstraintError, DendriteError, SaveFileError
-from .kv.tree import RECOMPUTE, Branch, Node
+from .kv import BranchTree, KVPool, SavedNode, TreeDump
+from .kv.tree import RECOMPUTE
 from .paths import user_path
 from .persist_schema import (FIX, FORMAT, VERSION, check_format, check_generators, check_manifest, check_model_config,
                              tensor_checksums)
 from .persist_write import check_target, write_atomically, write_error
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class SessionEngine(Protocol):
+    """What save and restore use of an engine (dendrite_nb.engine.Engine, which calls them: this module does not
+    import it). restore's `engine_type` is the class, whose from_pretrained and from_random build one."""
+
+    source: dict[str, Any] | None   # how it was built: a checkpoint folder, or a random-weight config and seed
+    options: dict[str, Any]   # EngineConfig.saved_options()
+    config: Any   # the model's ModelConfig
+    model: torch.nn.Module
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    device: torch.device
+    pool: KVPool
+    branch_tree: BranchTree
+
+    def constrain(self, branch: Any, spec: dict[str, Any]) -> Any: ...
+
+    def audit(self) -> None: ...
+
+    def close(self) -> None: ...
+
 
 # Options a restore may change: they do not alter what the saved state means.
-FREE_OPTIONS = ("device", "num_blocks", "attention", "cuda_graphs", "debug", "checkpoint")
+FREE_OPTIONS = (*EngineConfig.restore_overrides(), "checkpoint")
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -65,24 +86,24 @@ def _tensor_sha(tensor: torch.Tensor) -> str:
 
 
 # ---- save ----------------------------------------------------------------------------------------------
-def save(engine: Engine, path: str | Path) -> Path:
+def save(engine: SessionEngine, path: str | Path) -> Path:
     target = user_path(path)
     check_target(target)
     if engine.source is None:
         raise SaveFileError("this engine was built around a model object, so a restore could not rebuild it; "
                             "save an engine made by Engine.from_pretrained or Engine.from_random.")
-    tree = engine.branch_tree
-    nodes = [node for node in tree.nodes() if node is not tree.root]
-    index = {id(node): i for i, node in enumerate(nodes)}
-    used = sorted({block for node in nodes for block in node.blocks})
+    tree, pool = engine.branch_tree, engine.pool
+    dump, nodes = tree.dump()   # the same nodes in the same order: dump.nodes[i] is the data of nodes[i]
+    used = sorted({block for saved in dump.nodes for block in saved.blocks})
     compact = {block: i for i, block in enumerate(used)}
     hidden_nodes = [i for i, node in enumerate(nodes) if node.last_hidden is not None]
     tensors: dict[str, torch.Tensor] = {}
     if used:
-        ids = torch.tensor(used, device=engine.pool.kv.device)
-        tensors["kv"] = engine.pool.kv.index_select(2, ids).cpu()  # [layers, 2, used, block, kv_heads, head_dim]
-        if engine.pool.scales is not None:
-            tensors["kv_scales"] = engine.pool.scales.index_select(2, ids).cpu()
+        kv_bytes, scales = pool.export_blocks(used)
+        # The file holds the KV in the pool's dtype: [layers, 2, used, block, kv_heads, head_dim].
+        tensors["kv"] = kv_bytes.view(pool.kv.dtype)
+        if scales is not None:
+            tensors["kv_scales"] = scales
     if hidden_nodes:
         tensors["hidden"] = torch.stack([nodes[i].last_hidden for i in hidden_nodes]).cpu()
     for i, node in enumerate(nodes):
@@ -96,7 +117,7 @@ def save(engine: Engine, path: str | Path) -> Path:
             tensors[f"generator/{len(branches)}"] = branch.generator.get_state()
         constraint = branch.constraint
         branches.append({
-            "name": name, "node": index.get(id(branch.node), -1), "seed": branch.seed,
+            "name": name, "node": dump.branches[name], "seed": branch.seed,
             "generator": branch.generator is not None,
             "constraint": None if constraint is None else {constraint.kind: _jsonable(constraint.value)},
             "constraint_from": branch.constraint_from, "priority": branch.priority,
@@ -107,14 +128,13 @@ def save(engine: Engine, path: str | Path) -> Path:
         "model": {"config": dataclasses.asdict(engine.config), "fingerprint": model_fingerprint(engine.model)},
         "source": engine.source,
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
-        "block_size": engine.pool.block_size, "options": engine.options, "next_node_id": tree._next_node_id,
+        "block_size": engine.pool.block_size, "options": engine.options, "next_node_id": dump.next_node_id,
         "device": engine.device.type,
         "num_blocks": engine.pool.num_blocks,
-        "nodes": [{"id": node.id, "parent": -1 if node.parent is tree.root else index[id(node.parent)],
-                   "start": node.start, "tokens": node.tokens, "blocks": [compact[b] for b in node.blocks],
-                   "preempted": node.swapped_blocks,
+        "nodes": [{"id": saved.id, "parent": saved.parent, "start": saved.start, "tokens": saved.tokens,
+                   "blocks": [compact[b] for b in saved.blocks], "preempted": saved.preempted,
                    # JSON keys are strings; the index in the node's tokens.
-                   "logprobs": {str(i): lp for i, lp in (node.logprobs or {}).items()}} for node in nodes],
+                   "logprobs": {str(i): lp for i, lp in saved.logprobs.items()}} for saved in dump.nodes],
         "hidden_nodes": hidden_nodes,
         "branches": branches,
         "tensors": {name: _tensor_sha(tensor) for name, tensor in tensors.items()},
@@ -199,11 +219,10 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def restore(path: str | Path, **overrides: Any) -> Engine:
+def restore(engine_type: type[SessionEngine], path: str | Path, **overrides: Any) -> SessionEngine:
     """A new engine holding the saved session. `overrides` may move it (device, num_blocks, attention,
     cuda_graphs, debug, checkpoint: where the weights now live); dtype, kv_dtype and block_size must match.
     Every field of the file is checked before anything is built; a failure after the engine is built closes it."""
-    from .engine import check_pool_options, parse_device
 
     manifest, tensors = read(path)
     unknown = [key for key in overrides if key not in FREE_OPTIONS + ("dtype", "kv_dtype", "block_size")]
@@ -228,7 +247,7 @@ def restore(path: str | Path, **overrides: Any) -> Engine:
             raise SaveFileError(f"the session was saved on {manifest['device']}: {error} Restore it with "
                                 f"device='cpu' (or another device this machine has).") from None
     check_generators(manifest, tensors, device)
-    engine = _build(manifest, overrides, device, used)
+    engine = _build(engine_type, manifest, overrides, device, used)
     try:
         if model_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
             raise SaveFileError("the model loaded for this session is not the one it was saved with (its weights "
@@ -244,11 +263,10 @@ def restore(path: str | Path, **overrides: Any) -> Engine:
     return engine
 
 
-def _build(manifest: dict[str, Any], overrides: dict[str, Any], device: torch.device, used: int) -> Engine:
+def _build(engine_type: type[SessionEngine], manifest: dict[str, Any], overrides: dict[str, Any],
+           device: torch.device, used: int) -> SessionEngine:
     """The engine the session was saved from, empty: its model rebuilt from the checkpoint folder (or the
     random-weight config) and its options. A checked manifest leaves only the file system and memory to fail."""
-    from .engine import Engine
-
     options = {**manifest["options"], "block_size": manifest["block_size"], "kv_dtype": manifest["kv_dtype"],
                "num_blocks": max(manifest["num_blocks"], used)}
     options.update({k: v for k, v in overrides.items() if k in FREE_OPTIONS and k not in ("device", "checkpoint")})
@@ -256,60 +274,54 @@ def _build(manifest: dict[str, Any], overrides: dict[str, Any], device: torch.de
     checkpoint = overrides.get("checkpoint") or source.get("checkpoint")
     try:
         if checkpoint is not None:
-            return Engine.from_pretrained(checkpoint, device=device, dtype=manifest["dtype"], **options)
-        return Engine.from_random(source["hf_config"], device=device, dtype=manifest["dtype"],
-                                  weight_seed=source["weight_seed"], **options)
+            return engine_type.from_pretrained(checkpoint, device=device, dtype=manifest["dtype"], **options)
+        return engine_type.from_random(source["hf_config"], device=device, dtype=manifest["dtype"],
+                                       weight_seed=source["weight_seed"], **options)
     except (DendriteError, ValueError, TypeError, LookupError, RuntimeError, OSError, MemoryError) as error:
         moved = " If the model has moved, restore with checkpoint= pointing at it." if checkpoint is not None else ""
         raise SaveFileError(f"cannot rebuild the engine this session was saved from: {error}{moved}") from error
 
 
-def _rebuild(engine: Engine, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], used: int) -> None:
+def _rebuild(engine: SessionEngine, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], used: int) -> None:
     tree, pool = engine.branch_tree, engine.pool
     blocks = pool.allocator.allocate(used) if used else []
     if used:
-        ids = torch.tensor(blocks, device=pool.kv.device)
-        # As bytes: index_copy_ has no float8 kernel on every device, and a byte copy is exact for any dtype.
-        pool.kv.view(torch.uint8).index_copy_(2, ids, tensors["kv"].to(pool.kv.device).view(torch.uint8))
-        if pool.scales is not None:
-            pool.scales.index_copy_(2, ids, tensors["kv_scales"].to(pool.scales.device))
-    nodes: list[Node] = []
-    for saved in manifest["nodes"]:
-        parent = tree.root if saved["parent"] < 0 else nodes[saved["parent"]]
-        node = Node(id=saved["id"], parent=parent, start=saved["start"], tokens=list(saved["tokens"]),
-                    blocks=[blocks[b] for b in saved["blocks"]],
-                    logprobs={int(i): lp for i, lp in saved.get("logprobs", {}).items()} or None)
+        pool.import_blocks(blocks, (tensors["kv"], tensors.get("kv_scales")))
+    dump = TreeDump(
+        nodes=[SavedNode(id=saved["id"], parent=saved["parent"], start=saved["start"], tokens=saved["tokens"],
+                         blocks=[blocks[b] for b in saved["blocks"]], preempted=saved["preempted"],
+                         logprobs={int(i): lp for i, lp in saved.get("logprobs", {}).items()})
+               for saved in manifest["nodes"]],
+        branches={saved["name"]: saved["node"] for saved in manifest["branches"]},
+        next_node_id=manifest["next_node_id"])
+    try:   # check_manifest refuses whatever would fail these; a failure here is a gap in it, still the file's fault
+        nodes = tree.load(dump, {saved["name"]: {"seed": saved["seed"]} for saved in manifest["branches"]})
+    except ValueError as error:
+        raise SaveFileError(f"the save file does not make a consistent session ({error}); {FIX}.") from None
+    for number, saved in enumerate(manifest["nodes"]):
         if saved["preempted"]:
-            node.swapped_blocks = saved["preempted"]
-            number = len(nodes)
-            node.swapped = ((tensors[f"preempted/{number}"], tensors.get(f"preempted_scales/{number}"))
-                            if f"preempted/{number}" in tensors else RECOMPUTE)
-        parent.children.append(node)
-        nodes.append(node)
+            nodes[number].swapped = ((tensors[f"preempted/{number}"], tensors.get(f"preempted_scales/{number}"))
+                                     if f"preempted/{number}" in tensors else RECOMPUTE)
     for row, node_index in enumerate(manifest["hidden_nodes"]):
         nodes[node_index].last_hidden = tensors["hidden"][row].to(engine.device)
-    tree._next_node_id = manifest["next_node_id"]
     for number, saved in enumerate(manifest["branches"]):
-        node = tree.root if saved["node"] < 0 else nodes[saved["node"]]
-        branch = Branch(saved["name"], node, tree, saved["seed"])
+        branch = tree.branches[saved["name"]]
         branch.priority = float(saved["priority"])
         if saved.get("chat") is not None:   # files saved before chat() existed have no "chat"
             chat = saved["chat"]
             branch.chat = ChatState(tuple(map(tuple, chat["messages"])), chat["mark"], chat["generation_prompt"])
-        node.branch_names.add(branch.name)
-        tree.branches[branch.name] = branch
         if saved["generator"]:
             branch.generator = torch.Generator(device=engine.device)
             branch.generator.set_state(tensors[f"generator/{number}"])
         if saved["constraint"] is not None:
             _constrain(engine, branch, saved["constraint"], saved["constraint_from"])
-    try:   # check_manifest refuses whatever would fail this; a failure here is a gap in it, still the file's fault
+    try:
         engine.audit()
     except AssertionError as error:
         raise SaveFileError(f"the save file does not make a consistent session ({error}); {FIX}.") from None
 
 
-def _constrain(engine: Engine, branch: Branch, spec: dict[str, Any], since: int) -> None:
+def _constrain(engine: SessionEngine, branch: Any, spec: dict[str, Any], since: int) -> None:
     """Put the branch back under its constraint, at the grammar position its tokens since `since` reach."""
     try:
         engine.constrain(branch, spec)

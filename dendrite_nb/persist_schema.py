@@ -15,7 +15,6 @@ this code does not understand.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import reprlib
 from collections import Counter
@@ -23,8 +22,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from .config import DTYPES, KV_DTYPES, EngineConfig
 from .constraints import CONSTRAINT_KINDS, parse_constraint
-from .engine import DTYPES, KV_DTYPES, Engine
 from .errors import DendriteError, SaveFileError
 from .kv.allocator import BlockAllocator
 from .kv.tree import BranchTree
@@ -202,8 +201,7 @@ def _options(options: Any) -> None:
     if not isinstance(options, dict):
         _bad("options", "a JSON object", options)
     # Options a later engine records are passed on to Engine(), which checks them; anything else is unknown.
-    known = [name for name, parameter in inspect.signature(Engine.__init__).parameters.items()
-             if parameter.kind is parameter.KEYWORD_ONLY and name not in POOL_OPTIONS]
+    known = [name for name in EngineConfig.names() if name not in POOL_OPTIONS]
     _keys(options, "options", (), tuple(known))
     checks = {"attention": lambda value, where: _text(value, where, empty=False),
               "seed": lambda value, where: _int(value, where, -(2**63), SEED_LIMIT - 1),

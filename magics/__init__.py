@@ -5,7 +5,19 @@
     %%branch root / %fork root --n 3 / %gen root/* -n 32 / %prune root/1 / %show root/0 / %tree
 
 From Python: `current_engine()` is the session's Engine, `current_session()` the session itself.
-It may import dendrite_nb and dendrite_nb.widgets; the engine never imports it.
+It may import dendrite_nb and dendrite_nb.widgets; the engine never imports it. It calls only the engine's
+public API.
+
+    session_magics.py  %dendrite: load, demo, restore, save, autosave, status
+    branch_magics.py   %%branch, %fork, %prune, %show
+    gen_magic.py       %gen, and the streaming generation %%branch --gen shares
+    view_magics.py     %tree, %blocks, %throughput
+    arguments.py       argument parsing, the sampling options, engine refusals as UsageErrors
+    cell_options.py    a cell's constraint, from its metadata or its `#|` lines
+    session.py         the per-kernel Session (engine lifetime, autosave, views, branch globs)
+    live.py            the streaming view of a generation
+    results.py, show.py, views.py   what the magics return
+    nbval_plugin.py    cell metadata under `pytest --nbval`
 """
 from __future__ import annotations
 
@@ -31,9 +43,13 @@ def _remember_cell(info) -> None:
 
 
 def load_ipython_extension(ipython) -> None:
-    from .magics import DendriteMagics
+    from .branch_magics import BranchMagics
+    from .gen_magic import GenMagics
+    from .session_magics import SessionMagics
+    from .view_magics import ViewMagics
 
-    ipython.register_magics(DendriteMagics(ipython, _SESSION))
+    for magics in (SessionMagics, BranchMagics, GenMagics, ViewMagics):   # one class per theme, one session
+        ipython.register_magics(magics(ipython, _SESSION))
     if _remember_cell not in ipython.events.callbacks["pre_run_cell"]:
         ipython.events.register("pre_run_cell", _remember_cell)
 

@@ -102,3 +102,21 @@ def read_cell_options(metadata: Mapping[str, Any] | None, inline: dict[str, str]
         return CellOptions(parse_constraint(spec), origin)
     except ConstraintError as error:
         raise UsageError(f"the constraint in the {origin} is not valid: {error}") from error
+
+
+def cell_metadata(shell) -> dict[str, Any] | None:
+    """The running cell's Jupyter metadata, as the front end sent it (None without a kernel, or when it sent none)."""
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None:
+        return None
+    parent = kernel.get_parent()
+    return (parent or {}).get("metadata") or None
+
+
+def cell_constraint(shell, inline: dict[str, str], generating: bool) -> Constraint | None:
+    """The constraint the running cell's metadata or `#|` lines set (validated), or None."""
+    options = read_cell_options(cell_metadata(shell), inline, shell.user_ns)
+    if options.constraint is not None and not generating:
+        raise UsageError(f"this cell's {options.origin} set a {options.constraint.kind} constraint, but the cell "
+                         f"does not generate; add --gen N to %%branch, or remove the constraint.")
+    return options.constraint

@@ -11,8 +11,7 @@ import time
 
 from IPython.display import display
 
-from dendrite_nb import DecodeStep, Engine
-from dendrite_nb.kv import Branch
+from dendrite_nb import Branch, DecodeStep, Engine
 from dendrite_nb.wording import counted
 
 from .results import one_line

@@ -15,9 +15,9 @@ from typing import Any
 
 import traitlets
 from IPython.core.error import UsageError
+from IPython.core.magic import Magics
 
-from dendrite_nb import Engine, StepHistory
-from dendrite_nb.kv import Branch
+from dendrite_nb import Branch, Engine, StepHistory
 from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView
 
 GLOB_CHARACTERS = "*?["
@@ -145,6 +145,15 @@ class Session:
                 raise UsageError(f"there is no branch {pattern!r}; the branches are: {describe_names(names)}.")
             chosen.extend(m for m in matched if m not in chosen)
         return [engine.branch(name) for name in chosen]
+
+
+class SessionBoundMagics(Magics):
+    """The base of each theme's Magics class (session_magics.py, branch_magics.py, ...): all of them work on the
+    kernel's one session."""
+
+    def __init__(self, shell, session: Session):
+        super().__init__(shell)
+        self.session = session
 
 
 def check_new_name(name: str) -> None:

@@ -78,7 +78,9 @@ class TreeView(EngineView):
     def _state(self) -> dict[str, Any]:
         engine = self._engine
         snapshot = engine.tree()
-        allocator = engine.pool.allocator
+        # Two snapshots: a call on another thread between them may free a block; it reads as free (refcount 0),
+        # as it would have in the pool, and the next update shows the tree without it.
+        refcounts = {block["id"]: block["refcount"] for block in engine.block_table()["blocks"]}
         nodes, offsets, blocks = [], [0], []
         for node in snapshot["nodes"]:
             states = {self._states.state(name) for name in node["branches"]}
@@ -101,7 +103,7 @@ class TreeView(EngineView):
             "_nodes": nodes,
             "_block_offsets": np.asarray(offsets, dtype=np.int32).tobytes(),
             "_blocks": np.asarray(blocks, dtype=np.int32).tobytes(),
-            "_refcounts": np.asarray([allocator.refcount(b) for b in blocks], dtype=np.uint16).tobytes(),
+            "_refcounts": np.asarray([refcounts.get(b, 0) for b in blocks], dtype=np.uint16).tobytes(),
             "selected": selected if selected in snapshot["branches"] else None,   # None once pruned
             "_summary": f"{counted(len(nodes), 'node')}, {counted(len(snapshot['branches']), 'branch')}, "
                         f"{counted(len(blocks), 'KV block')}",

@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from .base import AttentionBackend, BatchLayout, KVSegment, LayerKV
+from .base import AttentionBackend, BatchLayout, Capabilities, CapturableBackend, KVSegment, LayerKV
 from .torch_backend import TorchAttention
 
 # name -> (module, class); imported lazily so a machine without triton or flashinfer still loads the engine.
@@ -61,5 +61,5 @@ def make_backend(name: str, device: torch.device | str = "cpu", dtype: torch.dty
     return _backend_class(name)()
 
 
-__all__ = ["AttentionBackend", "BatchLayout", "KVSegment", "LayerKV", "TorchAttention", "make_backend",
-           "unavailable_reason", "BACKENDS"]
+__all__ = ["AttentionBackend", "BatchLayout", "Capabilities", "CapturableBackend", "KVSegment", "LayerKV",
+           "TorchAttention", "make_backend", "unavailable_reason", "BACKENDS"]

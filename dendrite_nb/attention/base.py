@@ -1,67 +1,42 @@
-"""The attention interface: plan once per forward (host-side metadata), run once per layer."""
+"""The attention interface: plan once per forward (host-side metadata), run once per layer.
+
+A backend's optional abilities are declared, not probed: each backend class sets `capabilities`, and callers
+(the runner, the model, CUDA graphs, the engine) read those flags instead of asking whether a method exists.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-
-class KVSegment(NamedTuple):
-    """A run of context positions [start, end) that several batch rows read at once (tree-aware decode).
-
-    The rows' contexts are identical over [start, end), because the rows descend from one tree node;
-    a kernel reads these positions once for all of them and merges the partial results by log-sum-exp.
-    Immutable. A tuple, not a frozen dataclass: a decode step makes one per row (each row's growing private
-    run), and a tuple is made 4x faster.
-    """
-
-    rows: tuple[int, ...]  # batch rows (indices into the layout's sequences) that attend to these positions
-    start: int  # first context position
-    end: int  # one past the last context position
-    blocks: tuple[int, ...]  # physical block of each logical block start // block_size .. (end - 1) // block_size
+# What the cache hands to attention lives with the cache, so that kv never imports attention.
+from ..kv.layout import BatchLayout, KVSegment, LayerKV
 
 
 @dataclass(frozen=True, slots=True)
-class BatchLayout:
-    """One forward's sequences, host-side. Sequence i contributes q_lens[i] new tokens, laid out in order."""
+class Capabilities:
+    """What a backend does beyond plan / append_kv / attend, declared by its class. A True flag promises the calls
+    it names. The runner builds BatchLayout.segments only for tree_segments backends; the engine calls configure()
+    only where needs_head_layout, captures CUDA graphs only where capturable_plans, and prefills in chunks of
+    prefill_chunk_tokens unless told otherwise; the fused model calls attend_with_rope where fused_rope_attend.
+    The figures behind the default chunk: benchmarks/REPORT.md, "Prefill by chunk size"."""
 
-    q_lens: list[int]  # new tokens per sequence
-    kv_lens: list[int]  # context per sequence after the new tokens are written
-    block_tables: list[list[int]]  # physical block per logical block index, per sequence
-    # Decode only (every q_len is 1): each row's context [0, kv_len) cut into segments, shared ones read
-    # once for all their rows. None: every row reads its own block table (flat paged attention).
-    segments: list[KVSegment] | None = None
-
-    @property
-    def positions(self) -> list[int]:
-        if self.is_decode:  # each row's one new token sits at its last position: no per-token loop
-            return [kv - 1 for kv in self.kv_lens]
-        return [p for q, kv in zip(self.q_lens, self.kv_lens) for p in range(kv - q, kv)]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.q_lens.count(1) == len(self.q_lens)  # one C loop: a decode step of 1,000 rows asks twice
-
-
-class LayerKV(NamedTuple):
-    """One layer's slice of the KV pool. Caches are [num_blocks, block_size, kv_heads, head_dim] in the pool's
-    kv dtype. With an fp8 pool each token's K and V head vectors carry their own dequantisation scale."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads] float32, fp8 pools only
-    v_scale: torch.Tensor | None = None
+    tree_segments: bool = False      # attend() reads BatchLayout.segments: a shared tree node once for all its rows
+    needs_head_layout: bool = False  # configure(num_heads, num_kv_heads, kv_dtype) runs before plan()
+    capturable_plans: bool = False   # host_plan(), bind(), plan(shape=...): padded plans that CUDA graphs replay
+    fused_rope_attend: bool = False  # attend_with_rope(): RoPE, KV append and attention in fewer launches a layer
+    tma_loads: bool = False          # may load KV tiles of consecutive blocks through TMA; its `tma` setting says when
+    prefill_chunk_tokens: int = 4096  # default tokens a prefill forward: long, as each costs the host alike
 
 
 class AttentionBackend(Protocol):
-    """What the model calls. Optional: attend_with_rope(plan, kv, q, k, v, cos, sin, qk_norm_weights, eps) ->
-    [T, heads, head_dim], RoPE on the raw q and k, append_kv and attend in fewer launches; the fused model uses
-    it where a backend has it (triton) and otherwise runs kernels.rope_qk, append_kv, then attend."""
+    """What the model calls: plan() once per forward, append_kv() and attend() once per layer. The optional calls
+    are promised by `capabilities` (see Capabilities); the fused model calls attend_with_rope where a backend
+    declares it (triton) and otherwise runs kernels.rope_qk, append_kv, then attend."""
 
-    name: str
-    # Whether attend() reads BatchLayout.segments (the engine only builds them for backends that do).
-    reads_segments: bool
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -76,3 +51,21 @@ class AttentionBackend(Protocol):
 
     def attend(self, plan: Any, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """Causal attention of q [T, heads, head_dim] over each sequence's cached context -> [T, heads, head_dim]."""
+
+
+class CapturableBackend(AttentionBackend, Protocol):
+    """A backend with capabilities.capturable_plans: what CUDA graphs (cuda_graphs.py) and the runner call on it.
+    A host plan has shape() -> a plan shape with fits(), padded() and numel, and pack(shape, trash_slot)."""
+
+    def host_plan(self, layout: BatchLayout, block_size: int, device: torch.device) -> Any:
+        """The plan's work items and index arrays on the host (no device work). Mutates nothing."""
+
+    def bind(self, buffer: torch.Tensor, shape: Any) -> Any:
+        """A plan whose tensors are views of `buffer` (int32, a packed host plan padded to `shape`)."""
+
+    def plan(self, layout: BatchLayout, block_size: int, device: torch.device, shape: Any = None,
+             trash_slot: int = 0, host: Any = None) -> Any:
+        """plan(), padded to `shape` where given (padding tokens write to `trash_slot`), from `host` if made."""
+
+
+__all__ = ["AttentionBackend", "BatchLayout", "Capabilities", "CapturableBackend", "KVSegment", "LayerKV"]

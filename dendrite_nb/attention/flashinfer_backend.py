@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from .base import BatchLayout, LayerKV
+from .base import BatchLayout, Capabilities, LayerKV
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-k scratch; one per device, shared by all wrappers
 HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer builds its attention kernels for
@@ -53,7 +53,7 @@ class FlashInferPlan:
 
 class FlashInferAttention:
     name = "flashinfer"
-    reads_segments = False
+    capabilities = Capabilities()  # flat paged attention and FlashInfer's own plans: none of the optional calls
 
     def __init__(self):
         import flashinfer  # make_backend builds this only after unavailable_reason() found it importable

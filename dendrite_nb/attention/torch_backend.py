@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.fp8 import dequantize, quantize
-from .base import BatchLayout, LayerKV
+from .base import BatchLayout, Capabilities, LayerKV
 
 
 @dataclass(slots=True)
@@ -25,9 +25,8 @@ class TorchPlan:
 
 class TorchAttention:
     name = "torch"
-    reads_segments = False
-    # The engine's default prefill chunk: every chunk's scores are padded to its whole context, so chunks stay short.
-    prefill_chunk_tokens = 512
+    # Short prefill chunks: every chunk's scores are padded to its whole context.
+    capabilities = Capabilities(prefill_chunk_tokens=512)
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, kv_dtype) -> str | None:

@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from ..kv.fp8 import dequantize
-from .base import BatchLayout, KVSegment, LayerKV
+from .base import BatchLayout, Capabilities, KVSegment, LayerKV
 from .torch_backend import TorchAttention, TorchPlan, _gather
 
 
@@ -40,10 +40,9 @@ class TreeDecodePlan:
 
 class TorchTreeAttention(TorchAttention):
     name = "torch-tree"
-    reads_segments = True
-    # Short prefill chunks here too: a chunk's mask is explicit, so SDPA computes its masked half as well; a
-    # 2,048-token 0.6B prefill took 14.5 s in 512-token chunks and 17.4 s in one (benchmarks/prefill_chunks.py).
-    prefill_chunk_tokens = 512
+    # Short prefill chunks too: SDPA computes the masked half of a chunk's explicit mask (REPORT "Tree of thought
+    # and prefill on the CPU"; the run: docs/lab/constants-history.md).
+    capabilities = Capabilities(tree_segments=True, prefill_chunk_tokens=512)
 
     def plan(self, layout: BatchLayout, block_size: int, device: torch.device):
         if layout.segments is None or not layout.is_decode:

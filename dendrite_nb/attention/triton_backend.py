@@ -25,51 +25,22 @@ from ..kernels.kv_append import append_kv as append_kv_kernel
 from ..kernels.pdl import pdl_arguments
 from ..kernels.rope import UNFUSED_FLOAT_OPS, rope_qk
 from ..kv.fp8 import INV_FP8_MAX, MIN_SCALE
-from .base import BatchLayout, LayerKV
+from .base import BatchLayout, Capabilities, LayerKV
 from .triton_decode_kernel import decode_tile_attention_kernel
 from .triton_kernels import ITEM_COLS, LOG2E, merge_partials_kernel, segment_attention_kernel
 from .triton_plan import HostPlan, PlanShape, build_host_plan
+from .triton_tuning import (BLOCK_N, LOW_PRECISION_PARTIALS, MERGE_BLOCK_H, MERGE_BLOCK_S, MERGE_WARPS,
+                            MIN_CHUNK_TOKENS, NARROW_LAUNCH, ONE_TILE_PROGRAMS_PER_SM, ONE_TILE_WARPS,
+                            ONE_TILE_WIDTHS, PROGRAMS_PER_SM, SHORT_RUN_LAUNCH, TILE_WIDTHS, TMA_MEASURED_MAJOR,
+                            TMA_TILE_WIDTH, WIDE_LAUNCH)
 
-# Launch settings, tuned on H100s and H200s (tune_tree_attention.py, tune_one_tile.py). A line or two each says
-# why; docs/lab/triton-constants.md has each constant's measurements by name, and benchmarks/REPORT.md ("Tree
-# attention", "Decode step") the figures they give today.
-BLOCK_N = 64  # KV positions per inner step
+# The measured launch settings are in triton_tuning.py. These follow from the hardware or the tests:
 INTERPRET_BLOCK_N = 16  # the CPU interpreter runs each element in numpy; small tiles keep tests fast
-# Query vectors (rows x group heads) per item of a segment read by many rows: the narrowest width that holds its
-# rows (a 16-row x 4-head node fills a 64-wide tile, not half of a 128-wide one), else as many of the widest.
-TILE_WIDTHS = (64, 128)
-WIDE_LAUNCH = (4, 3)  # num_warps, num_stages of wide tiles: 8 warps spill no registers, yet were slower
-NARROW_LAUNCH = (4, 2)  # num_warps, num_stages of 16-wide tiles (a few rows, or one row's heads)
-# BLOCK_N, num_warps, num_stages of the narrowest tiles when all their runs are short (PlanShape.short_runs):
-# 256 one-token leaves under one prefix took 9% less a layer with them, 64-token runs 1% more: short runs only.
-SHORT_RUN_LAUNCH = (16, 2, 1)
-MIN_CHUNK_TOKENS = 64  # a long run is split into chunks of at least this many positions for parallelism
-PROGRAMS_PER_SM = 2  # chunks are cut until each launch's items x KV heads fill the GPU about this many times
-# The merge: one program of one warp per (row, query head), reading 8 partial slots an iteration: about 4x faster
-# than 4 warps and 16 slots; 2 or 4 heads a program, or 2 warps, were slower.
-MERGE_BLOCK_H = 1
-MERGE_BLOCK_S = 8
-MERGE_WARPS = 1
-# One-row decode steps (leaves that share nothing worth reading once) run RoPE, the KV append and the attention of
-# one KV tile in one launch a layer (triton_decode_kernel.py), with the narrowest of ONE_TILE_WIDTHS whose programs
-# (tiles x KV heads) stay within ONE_TILE_PROGRAMS_PER_SM a multiprocessor; past that, the general kernels chunk.
-ONE_TILE_WIDTHS = (128, 256)  # one 0.6B leaf on an H200: 128 fastest up to ~1,500 tokens, 256 up to ~3,000
-ONE_TILE_WARPS = 8  # 8 warps beat 4 at every width tried (H100 and H200)
-ONE_TILE_PROGRAMS_PER_SM = 0.75  # a width paid off only up to about this many programs a multiprocessor (H200)
 INTERPRET_ONE_TILE_WIDTHS = (16, 32)  # the interpreter's (INTERPRET_BLOCK_N and twice it: tests reach both)
-# GPUs with 99 KB of shared memory a block (GB10, RTX 40xx/50xx, L40S) cannot run every launch above (tuned on
-# Hopper's 227 KB): one that does not fit steps down (smaller_launch), a fused width gives way to the general path.
+# GPUs with 99 KB of shared memory a block (GB10, RTX 40xx/50xx, L40S) cannot run every launch tuned on Hopper's
+# 227 KB: one that does not fit steps down (smaller_launch), a fused width gives way to the general path.
 MIN_BLOCK_N = 16  # tl.dot's smallest tile side
-# TMA (Hopper and later): a decode run whose blocks are consecutive in the pool (a prefix prefilled into a fresh
-# pool) loads its unmasked KV tiles through tensor descriptors: decode (a) 4-6% faster a step. Prefills keep the
-# block-table loads: through TMA they were 5-19% slower.
-TMA_TILE_WIDTH = 64  # TMA's fastest tile width; block-table loads stay faster in 128-wide tiles
-TMA_MEASURED_MAJOR = 9  # compute capability 9.x (H100, H200, GH200): automatic only where it was measured
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 in hardware, which Triton's fp8e4nv needs
-# Partial outputs and their log-sum-exps are float32; low_precision_partials=True stores the outputs in the
-# activations' dtype (as FlashInfer's merge_state takes them): merges 35-40% faster, layers 7-13% slower on long
-# shared prefixes.
-LOW_PRECISION_PARTIALS = False
 
 
 def interpreting() -> bool:
@@ -101,7 +72,8 @@ class TritonPlan:
 
 class TritonAttention:
     name = "triton"
-    reads_segments = True
+    capabilities = Capabilities(tree_segments=True, needs_head_layout=True, capturable_plans=True,
+                                fused_rope_attend=True, tma_loads=True)
 
     def __init__(self, tile_widths: tuple[int, ...] = TILE_WIDTHS, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
                  wide_launch: tuple[int, int] = WIDE_LAUNCH, narrow_launch: tuple[int, int] = NARROW_LAUNCH,

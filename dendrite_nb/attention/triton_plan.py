@@ -17,10 +17,7 @@ import numpy as np
 import torch
 
 from .triton_kernels import ITEM_COLS
-
-# Items of the narrowest tile that span at most this many positions make a plan's "short runs" (each leaf's own
-# few tokens under a shared prefix): their launch takes a KV step of this size instead of the usual one.
-SHORT_RUN_TOKENS = 16
+from .triton_tuning import LOOP_PLAN_RUNS, SHORT_RUN_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +34,7 @@ class PlanShape:
     # decode kernel (triton_decode_kernel.py) may take it whole, with this BLOCK_N. 0: not such a step.
     one_tile: int = 0
     # The plan marks runs of consecutive blocks (their items' linear slots) for the TMA launch: decode steps on
-    # a backend that uses TMA (triton_backend.TMA_TILE_WIDTH says why not prefills).
+    # a backend that uses TMA (triton_tuning.py's TMA lines say why not prefills).
     linear: bool = False
 
     def sections(self) -> list[tuple[str, int]]:
@@ -142,11 +139,6 @@ class KVRuns:
         block_ptr, blocks = csr([run[3] for run in runs])
         return cls(row_ptr, rows, np.array([run[1] for run in runs], dtype=np.int64),
                    np.array([run[2] for run in runs], dtype=np.int64), block_ptr, blocks)
-
-
-# Up to this many runs a plan is built by a loop over them, and beyond it with arrays: numpy's cost per call
-# made the array path 3x slower for one leaf (94 against 33 us on the CI CPU), and 64 leaves 1.5x faster.
-LOOP_PLAN_RUNS = 32
 
 
 def build_host_plan(runs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]], positions: Sequence[int],

@@ -48,9 +48,8 @@ MIN_ROWS, MAX_ROWS = 2, 64  # the rows skinny() takes; fewer go to gemv
 MIN_BLOCK_M = 16  # x's rows are padded at least to tl.dot's smallest tile (row_tile)
 FOLD_ROWS = 16  # the most rows at which the norm folds in well (every program redoes its work on all of x)
 # W's first BLOCK_K chunks that a program asks into L2 before its PDL wait (default_prefetch), for small products
-# (at most SMALL_PRODUCT) or more than FOLD_ROWS rows, and for large ones. Chains of products on an H200
-# (docs/lab/gpu-fast-path.md): at 8 rows 0.6B 0.670 -> 0.632 ms with 1 (2: 0.650, 4: 0.659), 8B 3.854 -> 3.797 ms
-# with 2 (1: 3.810, 4: 3.802); 8B at 64 rows 4.096 -> 4.035 ms with 1 (2: 4.059).
+# (at most SMALL_PRODUCT) or more than FOLD_ROWS rows, and for large ones: the fastest counts in chains of products
+# (H200; REPORT "Parts of a step (tuners and profilers)", the runs in docs/lab/constants-history.md).
 PREFETCH_SMALL, PREFETCH_LARGE = 1, 2
 # Split-K (default_splits, _gather_splits): for products whose tiles along N alone leave multiprocessors idle.
 SPLIT_PROGRAMS_PER_SM = 2
@@ -191,18 +190,16 @@ def _gather_splits(acc, acc_up, row_squares, part_ptr, count_ptr, pid_n, pid_k, 
 
 def default_config(out_features: int, width: int, norm: bool = False, swiglu: bool = False,
                    rows: int = FOLD_ROWS) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product, from sweeps of 30 settings
-    at 8 rows over the 0.6B and 8B projections and LM heads (H200, docs/lab/gpu-fast-path.md). A large product
-    (8B) streams W in tiles of 64 rows with 4-stage pipelines; the gate/up tiles (two of them, for the
-    SwiGLU) in narrower chunks, an LM head too. The 8B settings were picked inside a whole chain of
-    products, one product's setting varied at a time (tune_skinny.py --chain-sweep), where kernels overlap at
-    their boundaries: there they ran the chain 1-3% faster than the fastest single-kernel settings before
-    them at 5-8 rows. A small one (0.6B, at most SMALL_PRODUCT elements) has too few tiles to fill the GPU
-    whatever their size: it takes 64 rows of W per program and shallower pipelines, and default_splits cuts
-    its K. Above FOLD_ROWS rows (x padded to 32 or 64; the norm is not folded there) the products take 64 x 128
-    tiles of W, in 5 stages (4 above 32 rows for a small product, or gate/up's two tiles), and an LM head above
-    32 rows 128 x 64 tiles in 8 warps: the fastest of five settings in both models' chains of products at 17,
-    24, 32 and 64 rows (docs/lab/gpu-fast-path.md)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product: the fastest settings of
+    sweeps over the 0.6B and 8B projections and LM heads on an H200 (tune_skinny.py; REPORT "Parts of a step
+    (tuners and profilers)", the runs in docs/lab/constants-history.md). A large product (8B) streams W in tiles
+    of 64 rows with 4-stage pipelines; the gate/up tiles (two of them, for the SwiGLU) in narrower chunks, an LM
+    head too; its settings were picked inside a whole chain of products, where kernels overlap at their
+    boundaries. A small one (0.6B, at most SMALL_PRODUCT elements) has too few tiles to fill the GPU whatever
+    their size: it takes 64 rows of W per program and shallower pipelines, and default_splits cuts its K. Above
+    FOLD_ROWS rows (x padded to 32 or 64; the norm is not folded there) the products take 64 x 128 tiles of W, in
+    5 stages (4 above 32 rows for a small product, or gate/up's two tiles), and an LM head above 32 rows
+    128 x 64 tiles in 8 warps."""
     if rows > FOLD_ROWS:
         if out_features >= 32768:
             block_n, block_k, warps, stages = (128, 64, 8, 4) if rows > 32 else (64, 128, 4, 4)

@@ -2,5 +2,6 @@
 from .allocator import BlockAllocator
 from .pool import KVPool
 from .tree import AppendRecord, Branch, BranchTree, Node
+from .tree_dump import SavedNode, TreeDump
 
-__all__ = ["AppendRecord", "BlockAllocator", "Branch", "BranchTree", "KVPool", "Node"]
+__all__ = ["AppendRecord", "BlockAllocator", "Branch", "BranchTree", "KVPool", "Node", "SavedNode", "TreeDump"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..attention.base import BatchLayout, KVSegment
+from .layout import BatchLayout, KVSegment
 from .tree import Branch, BranchTree, Node
 
 # Below this many tokens a shared node is read per row instead: one more partial result per row to

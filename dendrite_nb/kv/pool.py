@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.base import LayerKV
 from .allocator import BlockAllocator
 from .fp8 import FP8_DTYPE
+from .layout import LayerKV
 
 # A finite poison: 0 * NaN would leak NaN through masked attention, a finite value only shows where read.
 # Exact in float32, bf16, fp16 and e4m3 (whose largest value is 448). A written fp8 vector is never all
@@ -80,6 +80,30 @@ class KVPool:
         for tensor in (self.kv, self.scales) if self.scales is not None else (self.kv,):
             raw = tensor.view(torch.uint8)  # bytes: index_copy_ has no float8 kernels
             raw.index_copy_(2, targets, raw.index_select(2, sources))
+
+    def export_blocks(self, block_ids: list[int], pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The blocks' KV on the host, as bytes (exact for fp8 too): (kv [layers, 2, len(block_ids), block, kv_heads,
+        head_dim * itemsize] uint8, scales [layers, 2, len(block_ids), block, kv_heads] float32 or None). pinned: in
+        page-locked memory where the pool is on CUDA, so copying them back does not wait on the host."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        kv = self.kv.view(torch.uint8).index_select(2, ids).to("cpu")
+        if pinned and self.kv.device.type == "cuda":
+            kv = kv.pin_memory()
+        scales = None if self.scales is None else self.scales.index_select(2, ids).to("cpu")
+        return kv, scales
+
+    def import_blocks(self, block_ids: list[int], exported: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Write what export_blocks returned (or a save file held, in the same layout) into the given blocks."""
+        kv, scales = exported
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        self.kv.view(torch.uint8).index_copy_(2, ids, kv.to(self.kv.device).view(torch.uint8))
+        if scales is not None:
+            self.scales.index_copy_(2, ids, scales.to(self.scales.device))
+
+    def release(self) -> None:
+        """Free the pool's memory now (Engine.close); the pool holds no block after this."""
+        self.kv = self.kv.new_empty(0)
+        self.scales = None
 
     def _poison_freed(self, block_ids: list[int]) -> None:
         """Poison blocks just freed, keeping their KV in the journal: a failed call that un-frees them needs it."""

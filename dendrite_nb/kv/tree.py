@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from ..errors import BranchExists, BranchPruned, OutOfBlocks, UnknownBranch
 from ..wording import counted
 from .allocator import BlockAllocator
 from .journal import drop_keys, drop_members, restore_attrs, restore_key, restore_member
+from .tree_dump import SavedNode, TreeDump, check_dump
 
 
 RECOMPUTE = "recompute"  # Node.swapped of a preempted node whose KV was dropped (to be recomputed), not copied
@@ -83,31 +84,20 @@ class Node:
 
 
 class Branch:
-    """A named, movable pointer to a node. Handles go stale when the branch is pruned."""
+    """A named, movable pointer to a node. Handles go stale when the branch is pruned.
 
-    __slots__ = ("name", "node", "_seed", "_seed_base", "generator", "constraint", "matcher", "constraint_from",
-                 "priority", "chat", "_tree")
+    This is all the tree needs of a branch. The engine's branches carry their decode state too (seed, sampler,
+    grammar, priority, conversation) in a subclass (engine/branch_state.py) that the tree is built with."""
 
-    def __init__(self, name: str, node: Node, tree: BranchTree, seed: int | None = 0, seed_base: int = 0):
-        # Branch.forks sets these same fields without calling __init__: a new field goes in both.
+    __slots__ = ("name", "node", "_tree")
+
+    def __init__(self, name: str, node: Node, tree: BranchTree):
         self.name, self.node, self._tree = name, node, tree
-        # A forked branch's seed is derived from its parent's on first use: hashing 1,000 names would
-        # cost more than the fork itself.
-        self._seed, self._seed_base = seed, seed_base
-        self.generator = None  # engine-owned sampling generator, created on first use
-        self.constraint = None  # the Constraint this branch decodes under, or None
-        self.matcher = None     # its llguidance matcher: the grammar position after the branch's tokens
-        self.constraint_from = 0  # the branch length when the constraint was attached (what the matcher consumed since)
-        self.priority = 0.0  # generate(max_batch=...) decodes higher priorities first; forks inherit it
-        # The conversation Engine.chat built here (an immutable chat.ChatState), or None. It lives on the branch,
-        # as the constraint does, so that a fork shares it by reference and stays O(1).
-        self.chat = None
 
     @classmethod
-    def forks(cls, names: list[str], node: Node, tree: BranchTree, seed_base: int, priority: float,
-              chat: Any = None) -> list[Branch]:
-        """`Branch(name, node, tree, None, seed_base)` at `priority` and with the parent's `chat` for each name,
-        without an __init__ call per branch: making the branches is most of what a 1,000-child fork costs."""
+    def forks(cls, names: list[str], node: Node, tree: BranchTree, parent: Branch) -> list[Branch]:
+        """`cls(name, node, tree)` for each name, without an __init__ call per branch: making the branches is
+        most of what a 1,000-child fork costs. A subclass with more state fills it from `parent` here."""
         new, children = object.__new__, []
         append = children.append
         for name in names:
@@ -115,25 +105,8 @@ class Branch:
             child.name = name
             child.node = node
             child._tree = tree
-            child._seed = None
-            child._seed_base = seed_base
-            child.generator = None
-            child.constraint = None
-            child.matcher = None
-            child.constraint_from = 0
-            child.priority = priority
-            child.chat = chat
             append(child)
         return children
-
-    @property
-    def seed(self) -> int:
-        """The base of this branch's sampling generator (stable across processes)."""
-        if self._seed is None:
-            from ..sampling import derive_seed
-
-            self._seed = derive_seed(self._seed_base, self.name)
-        return self._seed
 
     @property
     def tokens(self) -> list[int]:
@@ -169,8 +142,9 @@ class AppendRecord:
 
 
 class BranchTree:
-    def __init__(self, allocator: BlockAllocator, block_size: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, branch_type: type[Branch] = Branch):
         self.allocator, self.block_size = allocator, block_size
+        self.branch_type = branch_type  # what add_branch and fork make: the engine's carries decode state
         self.journal = allocator.journal  # one undo log for the tree and the allocator: rolled back together
         self._next_node_id = 1
         self.root = Node(id=0, parent=None, start=0)
@@ -218,10 +192,11 @@ class BranchTree:
         return unique
 
     # ---- mutation -----------------------------------------------------------------------------
-    def add_branch(self, name: str, node: Node | None = None, seed: int = 0) -> Branch:
+    def add_branch(self, name: str, node: Node | None = None, **state: Any) -> Branch:
+        """A new branch at `node` (default: the empty root); `state` goes to the branch type's constructor."""
         self.check_new_names([name])
         node = node or self.root
-        branch = Branch(name, node, self, seed)
+        branch = self.branch_type(name, node, self, **state)
         self.journal.log(drop_keys, self.branches, [name])
         self.journal.log(drop_members, node.branch_names, {name})
         node.branch_names.add(name)
@@ -359,11 +334,11 @@ class BranchTree:
             parent.children.insert(index, child)
 
     def fork(self, branch: Branch, names: list[str]) -> list[Branch]:
-        """New names on the branch's node: O(1) in context length. Each child's seed derives from the
-        parent's seed and the child's name; each child starts at the parent's priority and conversation."""
+        """New names on the branch's node: O(1) in context length. The branch type fills each child's own
+        state from the parent (Branch.forks)."""
         unique = self.check_new_names(names)
         node = branch.node
-        children = Branch.forks(names, node, self, branch.seed, branch.priority, branch.chat)
+        children = self.branch_type.forks(names, node, self, branch)
         self.journal.log(drop_keys, self.branches, names)
         self.journal.log(drop_members, node.branch_names, unique)
         node.branch_names |= unique
@@ -400,6 +375,53 @@ class BranchTree:
         node.blocks, node.parent, node.last_hidden, node.leaf_table = [], None, None, None
         node.swapped, node.swapped_blocks = None, 0
         return freed
+
+    # ---- as plain data (a save file) -------------------------------------------------------------
+    def dump(self) -> tuple[TreeDump, list[Node]]:
+        """The tree as plain data, and the live nodes it lists, in the same order (root left out), so the caller
+        can save what the engine hangs on them (last_hidden, swapped)."""
+        nodes = [node for node in self.nodes() if node is not self.root]
+        index = {id(node): i for i, node in enumerate(nodes)}
+        saved = [SavedNode(id=node.id, parent=-1 if node.parent is self.root else index[id(node.parent)],
+                           start=node.start, tokens=list(node.tokens), blocks=list(node.blocks),
+                           preempted=node.swapped_blocks, logprobs=dict(node.logprobs or {})) for node in nodes]
+        branches = {name: index.get(id(branch.node), -1) for name, branch in self.branches.items()}
+        return TreeDump(saved, branches, self._next_node_id), nodes
+
+    def load(self, dump: TreeDump, branch_state: Mapping[str, Mapping[str, Any]] | None = None) -> list[Node]:
+        """Make the dumped nodes and branches in this empty tree; returns the nodes, in the dump's order, for the
+        caller to hang its payloads on (branches: `self.branches[name]`). The blocks the dump holds must be
+        allocated already, one reference per node that holds them (the caller copies their KV in). Each branch
+        is `branch_type(name, node, tree, **branch_state[name])`. Raises ValueError, changing nothing, for a
+        dump that would not make a tree audit() accepts (kv/tree_dump.py)."""
+        branch_state = branch_state or {}
+        check_dump(self, dump, branch_state)
+        nodes: list[Node] = []
+        for saved in dump.nodes:   # new objects only, until every branch is made: a failing constructor changes nothing
+            parent = self.root if saved.parent < 0 else nodes[saved.parent]
+            node = Node(id=saved.id, parent=parent, start=saved.start, tokens=list(saved.tokens),
+                        blocks=list(saved.blocks), swapped_blocks=saved.preempted,
+                        logprobs=dict(saved.logprobs) or None)
+            if parent is not self.root:
+                parent.children.append(node)
+            nodes.append(node)
+        branches = [self.branch_type(name, self.root if index < 0 else nodes[index], self, **branch_state.get(name, {}))
+                    for name, index in dump.branches.items()]
+        self.journal.log(self._unload, self._next_node_id)
+        self.root.children.extend(node for node in nodes if node.parent is self.root)
+        for branch in branches:
+            branch.node.branch_names.add(branch.name)
+            self.branches[branch.name] = branch
+        self._next_node_id = dump.next_node_id
+        return nodes
+
+    def _unload(self, next_node_id: int) -> None:
+        """Undo of load: the tree empty again (load takes only an empty one)."""
+        self.root.children.clear()
+        self.root.branch_names.clear()
+        self.root.path_cache.clear()
+        self.branches.clear()
+        self._next_node_id = next_node_id
 
     # ---- derived views ------------------------------------------------------------------------
     def _path(self, node: Node, key: str) -> list[int]:

@@ -98,9 +98,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, heads | kv_heads, head_dim]
         qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
         eps = self.q_norm.eps if qk_norm is not None else 0.0
-        attend_with_rope = getattr(backend, "attend_with_rope", None)  # a backend that fuses them (triton)
-        if attend_with_rope is not None:
-            out = attend_with_rope(plan, kv, q, k, v, cos, sin, qk_norm, eps)  # [T, heads, head_dim]
+        if backend.capabilities.fused_rope_attend:  # the backend fuses them (triton)
+            out = backend.attend_with_rope(plan, kv, q, k, v, cos, sin, qk_norm, eps)  # [T, heads, head_dim]
         else:
             rope_qk(q, k, cos, sin, out=(q, k), norm_weights=qk_norm, eps=eps)
             backend.append_kv(plan, kv, k, v)

@@ -4,7 +4,7 @@ The `gguf` package reads these k-quant types (`gguf.quants.dequantize`) but cann
 files are mostly made of them (Q4_K_M holds Q4_K and Q6_K tensors). These quantizers pack blocks in the
 layout that gguf's dequantizer reads; they choose scales by plain min/max, not llama.cpp's error search,
 so they are coarser than llama-quantize's, which does not matter for a test: the reference a test compares
-against is what gguf dequantizes back from these bytes. `tests/test_gguf.py` checks that the round trip
+against is what gguf dequantizes back from these bytes. `tests/engine/test_gguf.py` checks that the round trip
 through gguf's dequantizer lands within one quantization step of the input.
 """
 from __future__ import annotations

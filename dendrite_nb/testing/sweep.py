@@ -12,7 +12,7 @@ code (faults.LineFault). Then:
   they after the next call (one greedy step of every branch, which reads all of their KV, resumes included).
 
 `python -m dendrite_nb.testing.sweep` runs every line of every operation (minutes); the test suite runs a
-seeded sample of lines (tests/test_fault_sweep.py).
+seeded sample of lines (tests/engine/test_fault_sweep.py).
 """
 from __future__ import annotations
 

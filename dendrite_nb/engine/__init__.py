@@ -1,0 +1,16 @@
+"""The engine package: Engine (engine.py, the public calls) and the parts it hands work to.
+
+    engine.py        the public calls: check, then delegate
+    inputs.py        checks of token ids, text, branch references and room
+    branch_state.py  the engine's Branch: the tree's pointer plus its decode state
+    build.py         weights, tokenizer and device-dependent sizes
+    prefill.py       chunked prefill and scoring of given tokens
+    decode.py        DecodeLoop: one generate() call, step by step
+    grammars.py      constrained decoding per branch
+    preemption.py    parking branches' KV in host memory and making room for a step
+"""
+from .branch_state import Branch
+from .engine import Engine
+from .inputs import MAX_FORK
+
+__all__ = ["MAX_FORK", "Branch", "Engine"]

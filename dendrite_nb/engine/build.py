@@ -1,0 +1,92 @@
+"""What an engine is built from: the weights and tokenizer of a checkpoint (HF folder or GGUF) or of a random
+config, and the sizes that depend on the device (the KV pool, the prefill chunk, whether CUDA graphs run).
+
+Called once per engine, before its first call; nothing here touches a branch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..attention import AttentionBackend
+from ..errors import CheckpointError
+from ..kv import KVPool
+from ..model.config import ModelConfig
+from ..model.gguf import find_gguf, load_gguf
+from ..model.loader import load_model, random_model, read_config
+from ..model.transformer import CausalLM
+from ..paths import user_path
+
+CPU_KV_BUDGET_BYTES = 1 << 30
+CUDA_KV_FRACTION = 0.85  # of the memory free after the weights; the rest is for activations
+# A GPU that shares the host's memory (DGX Spark's GB10, Jetson): the KV pool would take it from the host too
+# (the notebook, the OS), so by default it takes half of what is free. NVIDIA's advice for these parts is
+# to size buffers against host memory (cudaDeviceProp::integrated).
+CUDA_INTEGRATED_KV_FRACTION = 0.5
+
+
+def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, Any, Path]:
+    """(model, tokenizer, the file or folder it came from) for an HF folder or a GGUF (Engine.from_pretrained)."""
+    from transformers import AutoTokenizer
+
+    folder = user_path(path)
+    gguf_file = find_gguf(folder)
+    if gguf_file is not None:
+        model, tokenizer = load_gguf(gguf_file, device, dtype)
+        return model, tokenizer, gguf_file
+    config, _ = read_config(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot load a tokenizer from {str(folder)!r} ({error}); "
+                              f"the folder needs tokenizer.json and tokenizer_config.json.") from error
+    return load_model(folder, config, device, dtype), tokenizer, folder
+
+
+def random_weights(hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, weight_seed: int) -> CausalLM:
+    """A model with random weights for an HF config dict (Engine.from_random)."""
+    return random_model(ModelConfig.from_hf(hf_config), device, dtype, weight_seed)
+
+
+def default_num_blocks(config: ModelConfig, kv_dtype: torch.dtype, device: torch.device, block_size: int) -> int:
+    """KV blocks that fit the device: a share of a GPU's free memory, or room for eight full contexts on the CPU."""
+    bytes_per_block = KVPool.block_bytes(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                                         head_dim=config.head_dim, block_size=block_size, dtype=kv_dtype)
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        integrated = getattr(torch.cuda.get_device_properties(device), "is_integrated", False)
+        budget = int(free_bytes * (CUDA_INTEGRATED_KV_FRACTION if integrated else CUDA_KV_FRACTION))
+    else:  # room for eight full contexts, within a budget a laptop can spare
+        budget = min(CPU_KV_BUDGET_BYTES, 8 * config.max_position_embeddings * bytes_per_block // block_size)
+    return max(1, budget // bytes_per_block)
+
+
+def fused_kernels_available(device: torch.device) -> bool:
+    """Whether the Triton decoder kernels can run on `device` (imported only here: triton is optional)."""
+    try:
+        from ..kernels import unavailable_reason
+    except ImportError:
+        return False
+    return unavailable_reason(device) is None
+
+
+def forward_graphs(wanted: bool | None, model: CausalLM, backend: AttentionBackend, pool: KVPool,
+                   kv_layers: list[Any], device: torch.device):
+    """The CUDA graphs that decode steps and short prefills replay (CUDA, with a backend whose plans can be
+    padded: triton), or None. wanted=None: wherever they can run; True where they cannot raises ValueError."""
+    reason = None
+    if device.type != "cuda":
+        reason = "they need a CUDA device"
+    elif not backend.capabilities.capturable_plans:
+        reason = f"the {backend.name!r} backend's plans cannot be captured; use attention='triton'"
+    if wanted is None:
+        wanted = reason is None
+    if not wanted:
+        return None
+    if reason is not None:
+        raise ValueError(f"cuda_graphs=True, but {reason}.")
+    from ..cuda_graphs import ForwardGraphs
+
+    return ForwardGraphs(model, backend, kv_layers, device, pool.block_size, pool.sink_slot)

@@ -1,0 +1,564 @@
+"""The engine: one model, one KV pool and one branch tree for the life of a notebook kernel.
+
+(Over 500 lines: 38 public calls, each with its contract in its docstring; the work itself is in the parts.)
+
+This file holds the public calls only: each checks its input (inputs.py), then hands the work to the part that
+owns it: the tree (kv/), prefill (prefill.py), the decode loop (decode.py), preemption (preemption.py), grammars
+(grammars.py). Every public call runs through engine_calls.engine_call: one thread at a time, Ctrl-C only at safe
+points, and all or nothing (the journal of kv/journal.py undoes whatever a failed call changed). So a bad call
+raises a typed error and leaves the tree, the refcounts and the free blocks exactly as they were.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..attention import make_backend
+from ..chat import ChatState
+from ..config import KV_DTYPES, EngineConfig, is_count, parse_dtype
+from ..constraints import Constraint, parse_constraint
+from ..engine_calls import EngineCalls, engine_call
+from ..errors import GenerationInterrupted
+from ..events import Event, Listener, Subscription, TreeChanged
+from ..forward import ForwardRunner
+from ..kv import BranchTree, KVPool
+from ..kv.journal import restore_attrs
+from ..model.transformer import CausalLM
+from ..sampling import SamplingParams, check_seed, derive_seed
+from ..snapshot import block_snapshot, tree_snapshot
+from ..wording import counted
+from . import build
+from .branch_state import Branch
+from .closed import Closed
+from .conversation import plan_message
+from .decode import PENDING_TOKEN, DecodeLoop, DecodeParts, GenerateCall
+from .grammars import Grammars
+from .inputs import BranchRef, Inputs, TokensLike
+from .prefill import Prefill, run_chunk
+from .preemption import Preemption
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Any | None, **options: Any):
+        """An engine around a loaded model. Options (EngineConfig, dendrite_nb/config.py): device, kv_dtype ("fp8"
+        for an e4m3 cache), block_size, num_blocks, attention, seed, debug, prefill_chunk_tokens, cuda_graphs."""
+        EngineConfig.check_keywords(options)
+        settings = self.engine_config = EngineConfig(**options)
+        self.model, self.tokenizer, self.config = model, tokenizer, model.config
+        # Where the weights came from and how this engine was built: what save() records so restore() can
+        # rebuild it. from_pretrained / from_random fill `source`; an engine built around a model object has none.
+        self.source: dict[str, Any] | None = None
+        self.options = settings.saved_options()
+        self.device, self.seed = settings.device, settings.seed
+        self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = (parse_dtype(settings.kv_dtype, KV_DTYPES, "kv_dtype") if settings.kv_dtype is not None
+                         else self.dtype)
+        self.backend = make_backend(settings.attention, self.device, self.dtype, self.config.head_dim, self.kv_dtype)
+        if self.backend.capabilities.needs_head_layout:
+            self.backend.configure(self.config.num_heads, self.config.num_kv_heads, self.kv_dtype)
+        chunk_tokens = settings.prefill_chunk_tokens or self.backend.capabilities.prefill_chunk_tokens
+        num_blocks = settings.num_blocks or build.default_num_blocks(self.config, self.kv_dtype, self.device,
+                                                                      settings.block_size)
+        self.pool = KVPool(num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
+                           head_dim=self.config.head_dim, num_blocks=num_blocks, block_size=settings.block_size,
+                           dtype=self.kv_dtype, device=self.device, canaries=settings.debug)
+        kv_layers = self.pool.layers()
+        if self.device.type == "cuda" and build.fused_kernels_available(self.device):
+            self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
+        self._graphs = build.forward_graphs(settings.cuda_graphs, model, self.backend, self.pool, kv_layers, self.device)
+        self._runner = ForwardRunner(model, self.backend, self.pool, kv_layers, self._graphs, self.device)
+        self.branch_tree = tree = BranchTree(self.pool.allocator, settings.block_size, branch_type=Branch)
+        self._journal = tree.journal
+        self._calls = EngineCalls(self._journal)
+        eos = set(self.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self._listeners: list[Listener] = []
+        self._inputs = Inputs(tokenizer, self.config, tree, frozenset(eos))
+        self._preemption = Preemption(tree, self.pool, self._journal, lambda chunk: run_chunk(tree, self._runner, chunk))
+        self._prefill = Prefill(tree, self._runner, model, self._inputs, self._preemption,
+                                self._calls.check_interrupt, chunk_tokens)
+        self._grammars = Grammars(tokenizer, self.config.vocab_size, self._inputs, self._journal)
+        self._decode_parts = DecodeParts(tree, self._runner, model, self._inputs, self._preemption, self._grammars,
+                                         self._journal, self.device)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                        **options: Any) -> Engine:
+        """Load an HF folder (config.json, safetensors weights, single or sharded, and the tokenizer), or a GGUF:
+        a `.gguf` file, or a folder holding exactly one `.gguf` (a folder with config.json and safetensors
+        weights loads as HF, whatever else it holds). A GGUF's weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are
+        dequantized into `dtype`; its tokenizer and chat template come from its metadata (model/gguf.py).
+
+        Options: kv_dtype ("fp8" for an e4m3 cache), block_size (tokens per KV block), num_blocks (pool
+        size; default fits the device), attention ("torch", "torch-tree", "triton", "flashinfer" or "auto"), cuda_graphs
+        (default: on for CUDA with triton), seed (base of per-branch seeds), debug (KV canaries),
+        prefill_chunk_tokens (tokens per prefill forward; default 4,096, or 512 with the torch reference).
+        """
+        settings = cls._settings_before_loading(device, options)
+        model, tokenizer, origin = build.load_checkpoint(path, settings.device, parse_dtype(dtype))
+        engine = cls(model, tokenizer, device=settings.device, **options)
+        engine.source = {"checkpoint": str(origin.resolve())}
+        return engine
+
+    @classmethod
+    def from_random(cls, hf_config: dict[str, Any], device: str = "cpu", dtype: str | torch.dtype = "float32",
+                    weight_seed: int = 0, **options: Any) -> Engine:
+        """Random weights for an HF config dict, built in memory; token ids only (no tokenizer)."""
+        settings = cls._settings_before_loading(device, options)
+        model = build.random_weights(hf_config, settings.device, parse_dtype(dtype), weight_seed)
+        engine = cls(model, None, device=settings.device, **options)
+        engine.source = {"hf_config": dict(hf_config), "weight_seed": weight_seed}
+        return engine
+
+    @staticmethod
+    def _settings_before_loading(device: Any, options: dict[str, Any]) -> EngineConfig:
+        """The options checked before any weight loads (a bad one should not cost a minute of loading)."""
+        EngineConfig.check_keywords(options)
+        return EngineConfig(device=device, **options)
+
+    # ---- text ---------------------------------------------------------------------------------
+    def encode(self, content: TokensLike, *, at_start: bool = False) -> list[int]:
+        """Token ids for text (with the tokenizer's BOS when at_start) or checked ids; changes nothing."""
+        return self._inputs.tokens(content, at_start)
+
+    def decode(self, tokens: Sequence[int], *, skip_end_tokens: bool = False) -> str:
+        """Text of token ids (checked as append checks them: an id outside the vocabulary is refused, not
+        decoded to nothing). Every id is written out, special tokens included; with skip_end_tokens=True,
+        the end-of-turn / end-of-text tokens (`eos_token_ids`) are left out, as text shown to users is."""
+        if isinstance(tokens, str):
+            raise TypeError("decode takes token ids; this is a str, which is text already.")
+        if not isinstance(skip_end_tokens, bool):
+            raise ValueError(f"skip_end_tokens must be True or False, got {skip_end_tokens!r}.")
+        return self._inputs.detokenize(self._inputs.tokens(tokens, at_start=False), skip_end_tokens)
+
+    @engine_call
+    def text(self, branch: BranchRef) -> str:
+        """The branch's whole text, from the root, as users read it: without its end-of-turn / end-of-text
+        tokens (a chat holds one per turn). `decode(branch.tokens)` writes every token."""
+        return self._inputs.detokenize(self.branch_tree.resolve(branch).tokens, skip_end_tokens=True)
+
+    def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the checkpoint's chat template (from tokenizer_config.json)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this checkpoint has no chat template in tokenizer_config.json.")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    @engine_call
+    def chat(self, branch: BranchRef, role: str, content: str, *, generation_prompt: bool | None = None,
+             logprobs: bool = False) -> Branch:
+        """Append one more chat message: exactly the tokens the model's chat template adds for it.
+
+        The first message on a branch starts the conversation as the template does (BOS, a default system
+        prompt). generation_prompt (default: True unless role is 'system' or 'assistant') then opens the
+        assistant's turn; whatever reaches the branch next (generate(), append()) is the assistant's reply,
+        and becomes an assistant message when the next message is added. A conversation built this way is
+        token-identical to `tokenizer.apply_chat_template` on the whole conversation; forks share every
+        earlier turn's KV. A role the template does not know, a conversation it refuses, or an engine without
+        a template raises ChatError; a refused append raises as append does (OutOfBlocks, ContextOverflow);
+        either way nothing changes. logprobs: as in append. The rules: dendrite_nb/chat.py."""
+        resolved = self.branch_tree.resolve(branch)
+        tokens, messages, prompt = plan_message(self.tokenizer, self._inputs, resolved, role, content, generation_prompt)
+        # The message's tokens and the conversation that records them land together (engine_call: all or nothing).
+        self.append(resolved, tokens, logprobs=logprobs)
+        self._journal.log(restore_attrs, resolved, {"chat": resolved.chat})
+        resolved.chat = ChatState(messages, len(resolved), prompt)
+        return resolved
+
+    @engine_call
+    def chat_tokens(self, branch: BranchRef, role: str, content: str, *,
+                    generation_prompt: bool | None = None) -> list[int]:
+        """The token ids chat() would append to `branch` now, checked as chat() checks them; changes nothing."""
+        return plan_message(self.tokenizer, self._inputs, self.branch_tree.resolve(branch), role, content,
+                            generation_prompt)[0]
+
+    # ---- the branch API -----------------------------------------------------------------------
+    @engine_call
+    def new_branch(self, name: str, prompt: TokensLike | None = None, *, seed: int | None = None) -> Branch:
+        """A new branch from the empty root, prefilled with `prompt` (text gets the tokenizer's BOS)."""
+        self.branch_tree.check_new_names([name])
+        if seed is not None:
+            check_seed(seed)   # as the engine's seed is checked: it seeds this branch's generator
+        tokens = self._inputs.tokens(prompt, at_start=True, onto=(name, 0)) if prompt is not None else []
+        self._inputs.check_context(name, 0, len(tokens))
+        branch = self.branch_tree.add_branch(name, seed=derive_seed(self.seed, name) if seed is None else seed)
+        if tokens:
+            self._prefill([(branch, tokens)])
+        self._calls.events.append(TreeChanged("new_branch", (name,)))
+        return branch
+
+    @engine_call
+    def append(self, branch: BranchRef, content: TokensLike, *, logprobs: bool = False) -> Branch:
+        """Prefill text or token ids onto the end of a branch (one forward per chunk).
+
+        With logprobs=True, each appended token keeps the model's log-probability of it given everything
+        before it (read them with `logprobs(branch)`): a way to score given text, such as candidate answers
+        forked from one question. A branch's very first token has nothing before it and gets none."""
+        return self.append_many([(branch, content)], logprobs=logprobs)[0]
+
+    @engine_call
+    def append_many(self, items: Iterable[tuple[BranchRef, TokensLike]], *, logprobs: bool = False) -> list[Branch]:
+        """Prefill several branches together, in shared forwards; all or nothing. logprobs: as in append."""
+        if not isinstance(logprobs, bool):
+            raise ValueError(f"logprobs must be True or False, got {logprobs!r}.")
+        pairs = []
+        for item in items if not isinstance(items, (str, Branch)) else [items]:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"append_many takes (branch, content) pairs, got {item!r}.")
+            ref, content = item
+            branch = self.branch_tree.resolve(ref)
+            pairs.append((branch, self._inputs.tokens(content, at_start=len(branch) == 0,
+                                                      onto=(branch.name, len(branch)))))
+        self._inputs.check_unique([b for b, _ in pairs])
+        for branch, tokens in pairs:
+            self._inputs.check_context(branch.name, len(branch), len(tokens))
+            self._grammars.check_allows(branch, tokens)
+        self._prefill([(b, t) for b, t in pairs if t], logprobs)
+        for branch, tokens in pairs:
+            self._grammars.consume_run(branch, tokens)
+        self._calls.events.append(TreeChanged("append", tuple(b.name for b, _ in pairs)))
+        return [b for b, _ in pairs]
+
+    @engine_call
+    def write(self, name: str, content: TokensLike = "", *, fork_of: BranchRef | None = None,
+              role: str | None = None, logprobs: bool = False, room_for: int = 0,
+              sampling: SamplingParams | None = None, constraint: dict[str, Any] | Constraint | None = None) -> Branch:
+        """One change of the tree as one call, all or nothing (what a notebook's `%%branch` cell does): make branch
+        `name` (a fork of `fork_of`, or a new branch from the root when no branch has that name) or extend it,
+        then add `content` (text or token ids; with `role`, as one chat message, as chat() adds it).
+
+        room_for: tokens the caller will generate next. The call refuses, changing nothing, unless the branch
+        will have room for them (context and free blocks) and generate(..., sampling, constraint) could start on
+        it. logprobs: as in append."""
+        exists = isinstance(name, str) and name in self.branch_tree.branches
+        if fork_of is not None or not exists:
+            self.branch_tree.check_new_names([name])
+        if isinstance(room_for, bool) or not isinstance(room_for, int) or room_for < 0:
+            raise ValueError(f"room_for must be an int >= 0 (tokens to generate next), got {room_for!r}.")
+        if fork_of is not None:
+            branch = self.fork(fork_of, names=[name])[0]
+        else:
+            branch = self.branch_tree.resolve(name) if exists else self.new_branch(name)
+        if role is not None:
+            tokens = self.chat_tokens(branch, role, content)
+        else:
+            tokens = self._inputs.tokens(content, at_start=len(branch) == 0, onto=(branch.name, len(branch)))
+        self.check_growth(branch, len(tokens) + room_for)
+        if role is not None:
+            self.chat(branch, role, content, logprobs=logprobs)
+        elif tokens:
+            self.append(branch, tokens, logprobs=logprobs)
+        if room_for:
+            self.check_generate([branch], room_for, sampling, constraint)
+        return branch
+
+    # ---- constraints ------------------------------------------------------------------------------
+    @engine_call
+    def constrain(self, branch: BranchRef, spec: dict[str, Any] | Constraint | None) -> Constraint | None:
+        """Decode `branch` under a constraint from now on ({"json_schema": ...}, {"regex": ...},
+        {"grammar": <Lark>}, {"choices": [...]}), starting at the grammar's beginning; None removes it.
+        The grammar position survives across calls and is copied by fork. Invalid specs raise
+        ConstraintError (llguidance's message) and change nothing."""
+        resolved = self.branch_tree.resolve(branch)
+        constraint = spec if isinstance(spec, Constraint) or spec is None else parse_constraint(spec)
+        if constraint is None:
+            self._grammars.detach(resolved)
+        else:
+            self._grammars.attach([resolved], constraint)
+        return constraint
+
+    @engine_call
+    def fork(self, branch: BranchRef, n: int | None = None, *, names: Sequence[str] | None = None) -> list[Branch]:
+        """New branches at the same node: O(1) in context length; no KV block is touched. Each child continues
+        its parent's grammar position, conversation and priority on its own; its seed derives from the parent's."""
+        parent = self.branch_tree.resolve(branch)
+        names = self._inputs.fork_names(parent.name, n, names)
+        children = self.branch_tree.fork(parent, names)   # new branches: dropped whole if the call fails
+        self._calls.events.append(TreeChanged("fork", (parent.name, *names)))
+        return children
+
+    @engine_call
+    def set_priority(self, branches: BranchRef | Sequence[BranchRef], priority: float) -> None:
+        """Rank branches for generate(max_batch=...): higher runs first. Forks inherit their parent's."""
+        resolved = self._inputs.resolve_list(branches)
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
+            raise ValueError(f"a priority is a finite number, got {priority!r}.")
+        for branch in resolved:
+            self._journal.log(restore_attrs, branch, {"priority": branch.priority})
+            branch.priority = float(priority)
+
+    @engine_call
+    def prune(self, *branches: BranchRef | Sequence[BranchRef]) -> int:
+        """Remove branches; frees the blocks nothing else reaches. Returns how many blocks were freed."""
+        flat = [b for item in branches for b in (item if isinstance(item, (list, tuple)) else [item])]
+        resolved = [self.branch_tree.resolve(b) for b in flat]
+        self._inputs.check_unique(resolved)
+        freed = sum(len(self.branch_tree.prune(b)) for b in resolved)
+        self._calls.events.append(TreeChanged("prune", tuple(b.name for b in resolved)))
+        return freed
+
+    @engine_call
+    def next_logits(self, branches: BranchRef | Sequence[BranchRef]) -> torch.Tensor:
+        """float32 logits [B, vocab] for the token after each branch's end; appends nothing."""
+        resolved = self._inputs.resolve_list(branches)
+        for branch in resolved:
+            self._inputs.check_not_empty(branch)
+        return self.model.logits(self._runner.hidden_of([b.node for b in resolved]))
+
+    # ---- generation ---------------------------------------------------------------------------
+    @engine_call
+    def generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int = 32,
+                 sampling: SamplingParams | None = None,
+                 constraint: dict[str, Any] | Constraint | None = None,
+                 max_batch: int | None = None, logprobs: bool = False) -> list[list[int]]:
+        """Decode all given leaves together, one batched forward per step. Returns the new tokens per branch.
+
+        With max_batch, each step decodes at most that many branches: the highest-priority ones still
+        running (`branch.priority`, re-read every step, so a listener can re-rank them between steps as a
+        value function would), ties kept together by their place in the tree so siblings share a batch.
+        A branch's tokens do not depend on the schedule (each has its own sampling generator).
+
+        A branch stops at EOS (unless sampling.ignore_eos), at a stop string (the token that completes
+        it is kept), or after max_new_tokens. Sampled tokens are appended to the branches.
+        `constraint` first puts every given branch under that constraint, from the grammar's start
+        (as `constrain` does); branches already constrained keep their own grammar position otherwise.
+        A constrained branch samples only tokens its grammar allows and stops when the grammar is
+        complete (its end-of-sequence token is then the only one allowed), so its text parses.
+        Ctrl-C stops at the end of the current step (the last one too) and raises GenerationInterrupted (a
+        KeyboardInterrupt) carrying the tokens of the completed steps, which the branches keep; any other
+        failure undoes only the step it hit. A DecodeStep listener may prune, fork, re-rank or constrain
+        branches between steps: a pruned branch drops out of the call, and the others go on with the change.
+        With logprobs=True, the model's log-probability of each sampled token is kept with it (read them
+        with `logprobs(branch)`): log_softmax of the raw logits, before temperature, top-k/p, the repetition
+        penalty or a constraint's mask, as transformers' forward gives it.
+        """
+        sampling = sampling if sampling is not None else SamplingParams()
+        if constraint is not None and not isinstance(constraint, Constraint):
+            constraint = parse_constraint(constraint)   # checked once, however many branches it goes to
+        resolved = self.check_generate(branches, max_new_tokens, sampling, constraint)
+        call = GenerateCall.checked(resolved, max_new_tokens, sampling, max_batch, logprobs)
+        loop = DecodeLoop(self._decode_parts, call)
+        try:
+            loop.begin(constraint)
+            while True:
+                done = loop.step()   # schedule -> plan -> sample -> launch -> postprocess; committed
+                if self._listeners:   # at the boundary: they may fork, prune, re-rank or constrain
+                    self._calls.deliver(self._emit, loop.event(done))
+                    loop.drop_pruned()
+                self._calls.check_interrupt()   # Ctrl-C during the step stops here, at its end (the last one too)
+                if not loop.pending:
+                    break
+                loop.reschedule()
+        except BaseException as error:
+            loop.abort()
+            if loop.steps_done:
+                self._calls.deliver(self._emit, TreeChanged("generate", tuple(b.name for b in call.branches)))
+            if isinstance(error, KeyboardInterrupt) and not isinstance(error, GenerationInterrupted):
+                raise GenerationInterrupted(loop.outputs, loop.steps_done, call.max_new_tokens) from error
+            raise
+        loop.finish()
+        self._calls.events.append(TreeChanged("generate", tuple(b.name for b in call.branches)))
+        return loop.outputs
+
+    @engine_call
+    def check_generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int,
+                       sampling: SamplingParams | None = None,
+                       constraint: dict[str, Any] | Constraint | None = None) -> list[Branch]:
+        """Raise what generate would raise before its first step (bad branches, budget, room, an invalid
+        constraint, a completed grammar); changes nothing."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, such as SamplingParams(temperature=0.0), got "
+                            f"{type(sampling).__name__}.")
+        resolved = self._inputs.resolve_list(branches)
+        if constraint is not None and not isinstance(constraint, Constraint):
+            constraint = parse_constraint(constraint)   # generate passes it parsed already
+        if constraint is not None:
+            self._grammars.start(constraint)   # some grammars fail only when started; generate reuses this start
+        else:
+            for branch in resolved:
+                self._grammars.check_not_complete(branch)
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not is_count(max_new_tokens):
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none.")
+        for branch in resolved:
+            self._inputs.check_not_empty(branch)
+            self._inputs.check_context(branch.name, len(branch), max_new_tokens)
+        self._preemption.check_room(resolved, max_new_tokens)
+        return resolved
+
+    @engine_call
+    def check_growth(self, branch: BranchRef, num_tokens: int) -> None:
+        """Raise ContextOverflow or OutOfBlocks if `branch` cannot grow by num_tokens right now.
+        Lets a caller that will append and then generate refuse before it changes anything."""
+        resolved = self.branch_tree.resolve(branch)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}.")
+        self._inputs.check_context(resolved.name, len(resolved), num_tokens)
+        self._inputs.check_blocks([(resolved, num_tokens)], f"growing branch {resolved.name!r} by {num_tokens:,} tokens")
+
+    # ---- memory ------------------------------------------------------------------------------
+    @engine_call
+    def preempt(self, branch: BranchRef) -> int:
+        """Park a branch: its own KV blocks (its leaf node's, which nothing else reads) move to host memory
+        and return to the pool; it resumes, exactly, when it next grows. Returns the blocks freed.
+        generate() does this by itself, lowest priority first, when the pool cannot hold a step."""
+        resolved = self.branch_tree.resolve(branch)
+        if not self.branch_tree.preemptible(resolved):
+            raise ValueError(f"branch {resolved.name!r} has no KV blocks of its own to preempt (it is preempted "
+                             f"already, or its tokens are shared with other branches: fork points stay resident).")
+        count = len(resolved.node.blocks)
+        self._preemption.preempt(resolved)
+        self._calls.events.append(TreeChanged("preempt", (resolved.name,)))
+        return count
+
+    @property
+    def host_memory_limit_bytes(self) -> int | None:
+        """Host memory that preempted KV may take; past it, preempted KV is dropped and recomputed on resume
+        (None: half the memory available)."""
+        return self._preemption.host_memory_limit_bytes
+
+    @host_memory_limit_bytes.setter
+    def host_memory_limit_bytes(self, limit: int | None) -> None:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"host_memory_limit_bytes must be an int >= 0 or None (half the free RAM), got {limit!r}.")
+        self._preemption.host_memory_limit_bytes = limit
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a branch's generation: the model's end-of-sequence ids and the tokenizer's."""
+        return self._inputs.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Iterable[int]) -> None:
+        self._inputs.eos_token_ids = frozenset(ids)
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Tokens per prefill forward (option prefill_chunk_tokens, or the backend's default)."""
+        return self._prefill.chunk_tokens
+
+    @prefill_chunk_tokens.setter
+    def prefill_chunk_tokens(self, tokens: int) -> None:
+        if not is_count(tokens):
+            raise ValueError(f"prefill_chunk_tokens must be a positive int, got {tokens!r}.")
+        self._prefill.chunk_tokens = int(tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.allocator.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks in the pool, free or not."""
+        return self.pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.pool.block_size
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV (and fp8 scales) the whole pool holds."""
+        return self.pool.num_blocks * self.pool.bytes_per_block
+
+    # ---- state --------------------------------------------------------------------------------
+    @property
+    def branches(self) -> dict[str, Branch]:
+        return dict(self.branch_tree.branches)
+
+    def branch(self, name: str) -> Branch:
+        return self.branch_tree.resolve(name)
+
+    @engine_call
+    def logprobs(self, branch: BranchRef) -> list[float | None]:
+        """One entry per token of the branch (as `branch.tokens`): the model's log-probability of a token
+        sampled by `generate(..., logprobs=True)`, None for prompt and appended tokens and tokens sampled
+        without it. Forks share their parent's entries, as they share its tokens."""
+        return self.branch_tree.path_logprobs(self.branch_tree.resolve(branch).node)
+
+    @engine_call
+    def tree(self) -> dict[str, Any]:
+        """Plain-data snapshot of nodes (tokens, blocks, children, branch names) and branches."""
+        return tree_snapshot(self.branch_tree)
+
+    @engine_call
+    def block_table(self) -> dict[str, Any]:
+        """Plain-data snapshot of the pool: every block in use (owner, refcount, readers), each branch's table."""
+        return block_snapshot(self.branch_tree)
+
+    @engine_call
+    def audit(self) -> None:
+        """Check refcounts, the free list, node invariants, that no step left a pending token behind, and (in
+        debug mode) the canaries."""
+        self.branch_tree.audit()
+        self.pool.verify_free_blocks()
+        for node in self.branch_tree.nodes():
+            if PENDING_TOKEN in node.tokens:
+                raise AssertionError(f"node {node.id} holds a pending token (a decode step was not finished or undone)")
+
+    # ---- save and restore -----------------------------------------------------------------------
+    @engine_call
+    def save(self, path: str | Path) -> Path:
+        """Write the whole session to one file, atomically: every node, branch, token, seed and generator
+        state, constraint, and the KV blocks in use (safetensors + a checksummed JSON manifest)."""
+        from ..persist import save
+
+        return save(self, path)
+
+    @classmethod
+    def restore(cls, path: str | Path, **overrides: Any) -> Engine:
+        """A new engine with the session saved at `path`: the same model (rebuilt from its checkpoint
+        folder or random-weight config and checked by fingerprint), tree, branches and KV; decoding goes on
+        exactly as if nothing had stopped. Overrides: device (default: the one it was saved from),
+        num_blocks, attention, cuda_graphs, debug, checkpoint (where the weights now live). A corrupted or mismatched file raises SaveFileError."""
+        from ..persist import restore
+
+        return restore(cls, path, **overrides)
+
+    @engine_call
+    def close(self) -> None:
+        """Let go of the weights and free the KV pool now, even while other references to this engine remain.
+        The weights are freed as soon as nothing else holds the model: another engine built around the same
+        model object keeps working. Every later call raises a clear error."""
+        self._grammars.close()
+        self.pool.release()
+        # Dropped, not moved to the "meta" device in place: that would take the weights from the other engines.
+        # Every part that holds the model or the tree goes with it.
+        closed = Closed()
+        self.model = self.branch_tree = closed
+        self._graphs = self._runner = None
+        self._inputs = self._preemption = self._prefill = self._grammars = self._decode_parts = closed
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def closed(self) -> bool:
+        return isinstance(self.branch_tree, Closed)
+
+    # ---- events -------------------------------------------------------------------------------
+    def subscribe(self, listener: Listener) -> Subscription:
+        """Call `listener(event)` after every decode step (DecodeStep) and every change of the tree
+        (TreeChanged). Returns a Subscription; `close()` it, or use it as a context manager."""
+        if not callable(listener):
+            raise TypeError(f"a listener must be callable, got {type(listener).__name__}.")
+        return Subscription(self._listeners, listener)
+
+    def _emit(self, event: Event) -> None:
+        for listener in list(self._listeners):
+            listener(event)
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"Engine({self.config.describe()}, closed)"
+        used, branches = self.pool.num_blocks - self.num_free_blocks, len(self.branch_tree.branches)
+        kv = f" (KV {str(self.kv_dtype).removeprefix('torch.')})" if self.kv_dtype != self.dtype else ""
+        return (f"Engine({self.config.describe()}, {self.device.type} {str(self.dtype).removeprefix('torch.')}{kv}, "
+                f"{counted(branches, 'branch')}, {used:,}/{self.pool.num_blocks:,} KV blocks used)")
+

