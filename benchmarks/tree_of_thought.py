@@ -22,6 +22,7 @@ host's noise moved single runs of (b) from 6.8 to 14.4 s on one kind of machine,
 the peer at its best. Every run's time is printed. Peer (a), which no target names, runs once.
 
     python benchmarks/tree_of_thought.py [--shapes qwen3-0.6b llama-3.1-8b] [--repeats 3] [--json PATH] [--smoke]
+                                         [--engine-only]
 """
 from __future__ import annotations
 
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
     arguments.add_argument("--attention", default="auto")
     arguments.add_argument("--repeats", type=int, default=3,
                            help="repeated engine searches and runs of peer (b); the fastest of each is judged")
+    arguments.add_argument("--engine-only", action="store_true",
+                           help="time the engine's searches alone, without the transformers peers (comparing two "
+                                "versions of the engine: run each in its own process, alternating)")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     width, depth, tokens, prompt_len = (3, 2, 4, 16) if setup.smoke else (5, 10, 32, 256)
@@ -161,6 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
         engine_s = min(repeated)
         log(f"  engine: first search {first_s:.3f} s ({captures} CUDA graph captures in it), repeated "
             f"{', '.join(f'{t:.3f}' for t in repeated)} s")
+        if args.engine_only:
+            del engine, twin, model, warm, kids
+            free_memory(setup.device)
+            continue
         reprefill_s = hf_reprefill(twin, prompt, width, depth, tokens)
         log(f"  transformers, re-prefill: {reprefill_s:.3f} s")
         copies = [hf_cache_copy(twin, prompt, width, depth, tokens) for _ in range(args.repeats)]

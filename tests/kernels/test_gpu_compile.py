@@ -15,12 +15,36 @@ pytest.importorskip("triton")
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "gpu_compile.py"
 
 
-@pytest.mark.parametrize("arch", [90, 120])
-def test_every_kernel_compiles_in_every_dtype_variant(arch, tmp_path):
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile afresh: a cached kernel would pass without compiling
-    run = subprocess.run([sys.executable, str(SCRIPT), "--arch", str(arch)], env=env, capture_output=True, text=True,
-                         timeout=600)
+ARCHS = (90, 120)
+
+
+@pytest.fixture(scope="module")
+def compiles(tmp_path_factory):
+    """Both architectures' compiles, started together: each is one single-threaded process of minutes, and CI's
+    two cores would otherwise run them one after the other."""
+    started = {}
+    for arch in ARCHS:
+        folder = tmp_path_factory.mktemp(f"sm{arch}")
+        env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = str(folder / "cache")  # compile afresh: a cached kernel would pass without compiling
+        out, err = open(folder / "stdout", "w+"), open(folder / "stderr", "w+")
+        started[arch] = (subprocess.Popen([sys.executable, str(SCRIPT), "--arch", str(arch)], env=env, stdout=out,
+                                          stderr=err, text=True), out, err)
+    yield started
+    for process, out, err in started.values():
+        if process.poll() is None:
+            process.kill()
+        out.close()
+        err.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_in_every_dtype_variant(arch, compiles):
+    process, out, err = compiles[arch]
+    process.wait(timeout=900)
+    out.seek(0)
+    err.seek(0)
+    run = subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read())
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     kernels = {result["kernel"] for result in results}
