@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
+from .attention import AUTO_ORDER
 from .sampling import check_seed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV cache may also be fp8 (e4m3 with a float32 scale per token and KV head, kv/fp8.py); weights may not.
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
-ATTENTION_CHOICES = ("auto", "torch", "torch-tree", "triton", "flashinfer")
+ATTENTION_CHOICES = ("auto", *AUTO_ORDER)   # auto, then the backends fastest first
 
 
 def parse_dtype(dtype: str | torch.dtype, choices: dict[str, torch.dtype] = DTYPES, what: str = "dtype") -> torch.dtype:
@@ -65,26 +66,28 @@ def check_pool_options(block_size: Any = 16, num_blocks: Any = None) -> tuple[in
     return int(block_size), None if num_blocks is None else int(num_blocks)
 
 
-def _option(default: Any, restore_override: bool, saved: str | None = "options"):
+def _option(default: Any, restore_override: bool, saved: str | None, help: str):
     """A field of EngineConfig. saved: where a save file's manifest keeps it ("options"; "pool" for the fields
     the manifest keeps at its top level because the saved KV depends on them; None for how this machine runs it,
-    which a save does not record)."""
-    return field(default=default, metadata={"restore_override": restore_override, "saved": saved})
+    which a save does not record). help: one line for users, as `%dendrite load` shows it."""
+    return field(default=default, metadata={"restore_override": restore_override, "saved": saved, "help": help})
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Every option of an engine, checked when made (ValueError/TypeError naming the field and what to pass)."""
 
-    device: str | torch.device = _option("cpu", True, "pool")
-    kv_dtype: str | torch.dtype | None = _option(None, False, "pool")  # None: the weights' dtype
-    block_size: int = _option(16, False, "pool")           # tokens per KV block
-    num_blocks: int | None = _option(None, True, "pool")   # KV blocks in the pool; None: fit the device
-    attention: str = _option("auto", True)                 # the attention backend (ATTENTION_CHOICES)
-    seed: int = _option(0, False)                          # the base of every branch's sampling seed
-    debug: bool = _option(False, True)                     # KV canaries: a stray write is caught at audit()
-    prefill_chunk_tokens: int | None = _option(None, False)  # tokens per prefill forward; None: the backend's
-    cuda_graphs: bool | None = _option(None, True, None)        # replay decode steps as CUDA graphs; None: where they can
+    device: str | torch.device = _option("cpu", True, "pool", "cpu, cuda or cuda:N")
+    kv_dtype: str | torch.dtype | None = _option(None, False, "pool",
+                                                 "dtype of the KV cache: fp8 (e4m3), bfloat16, ... (default: the weights')")
+    block_size: int = _option(16, False, "pool", "tokens per KV block")
+    num_blocks: int | None = _option(None, True, "pool", "KV pool size in blocks (default: fits the device)")
+    attention: str = _option("auto", True, "options", ", ".join(ATTENTION_CHOICES))
+    seed: int = _option(0, False, "options", "base of every branch's sampling seed")
+    debug: bool = _option(False, True, "options", "poison freed KV blocks and check them on reuse")
+    prefill_chunk_tokens: int | None = _option(None, False, "options",
+                                               "tokens per prefill forward (default: the backend's, 512 or 4,096)")
+    cuda_graphs: bool | None = _option(None, True, None, "replay decode steps as CUDA graphs (default: where they can)")
 
     def __post_init__(self) -> None:
         block_size, num_blocks = check_pool_options(self.block_size, self.num_blocks)
@@ -121,6 +124,13 @@ class EngineConfig:
     def saved_options(self) -> dict[str, Any]:
         """What a save file's manifest records under `options`."""
         return {name: getattr(self, name) for name in self.saved_option_names()}
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The field's one line for users, with its default when that is a value."""
+        found = next(f for f in fields(cls) if f.name == name)
+        text = found.metadata["help"]
+        return text if found.default is None or "default" in text else f"{text} (default {found.default})"
 
     @classmethod
     def check_keywords(cls, options: dict[str, Any], allowed: tuple[str, ...] | None = None, call: str = "Engine") -> None:

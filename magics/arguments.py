@@ -10,6 +10,7 @@ from IPython.core.magic_arguments import argument
 from IPython.utils.process import arg_split
 
 from dendrite_nb import DendriteError, SamplingParams
+from dendrite_nb.config import EngineConfig
 
 
 @contextmanager
@@ -50,6 +51,25 @@ def sampling_arguments(func):
     ]):
         func = decorator(func)
     return func
+
+
+def engine_option_arguments(*names: str):
+    """Adds engine options (fields of EngineConfig, where they are defined once) as --kebab-case arguments whose
+    default None leaves the engine's own default; engine_options(args) collects those the line set."""
+    types = {"block_size": int, "num_blocks": int, "seed": int, "prefill_chunk_tokens": int}
+
+    def decorate(func):
+        for name in reversed(names):
+            func = argument(f"--{name.replace('_', '-')}", type=types.get(name, str), default=None,
+                            dest=f"engine_{name}", metavar=name.upper(), help=EngineConfig.help(name))(func)
+        return func
+    return decorate
+
+
+def engine_options(args) -> dict:
+    """The engine options a line set, by EngineConfig field (see engine_option_arguments)."""
+    return {name.removeprefix("engine_"): value for name, value in vars(args).items()
+            if name.startswith("engine_") and value is not None}
 
 
 # What sampling_arguments adds to a magic's arguments, by destination.

@@ -13,7 +13,7 @@ from dendrite_nb import Engine
 from dendrite_nb.config import check_pool_options, parse_device
 from dendrite_nb.paths import user_path
 
-from .arguments import parse_arguments, user_errors
+from .arguments import engine_option_arguments, engine_options, parse_arguments, user_errors
 from .results import AutosaveSet, Loaded, Reused, Saved
 from .session import Autosave, SessionBoundMagics, source_label
 from .views import StatusView
@@ -71,11 +71,8 @@ class SessionMagics(SessionBoundMagics):
     def _dendrite_load(self, rest: str) -> Loaded:
         args = parse_arguments(_load_arguments, rest)
         self.session.check_can_load(args.replace)
-        options = {k: v for k, v in (("kv_dtype", args.kv_dtype), ("num_blocks", args.num_blocks)) if v is not None}
-        options["attention"] = args.attention
         with user_errors():
-            engine = Engine.from_pretrained(args.path, device=args.device, dtype=args.dtype,
-                                            block_size=args.block_size, **options)
+            engine = Engine.from_pretrained(args.path, dtype=args.dtype, **engine_options(args))
         return self._install(engine, source_label(args.path), args.replace)
 
     def _dendrite_demo(self, rest: str) -> Loaded | Reused:
@@ -148,13 +145,9 @@ class SessionMagics(SessionBoundMagics):
 
 
 @magic_arguments()
-@argument("path", help="an HF checkpoint folder")
-@argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+@argument("path", help="an HF checkpoint folder or a .gguf file")
 @argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-@argument("--kv-dtype", default=None, help="dtype of the KV cache: fp8 (e4m3), bfloat16, ... (default: the weights')")
-@argument("--attention", default="auto", help="auto, triton, flashinfer, torch-tree or torch (default auto)")
-@argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-@argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: fits the device)")
+@engine_option_arguments("device", "kv_dtype", "attention", "block_size", "num_blocks")
 @argument("--replace", action="store_true", help="close the loaded engine first")
 def _load_arguments(line: str) -> None:
     """%dendrite load"""
