@@ -2,6 +2,8 @@
 import ast
 from pathlib import Path
 
+from tests.support.imports import imported_modules as modules_imported_by
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_MODULES = ("IPython", "ipykernel", "ipywidgets", "anywidget", "traitlets", "dendrite_nb.magics",
                     "dendrite_nb.widgets", "magics", "widgets")
@@ -58,23 +60,6 @@ GROUPS = {"engine": ("dendrite_nb.engine",), "kv": ("dendrite_nb.kv",), "attenti
           "persist": ("dendrite_nb.persist", "dendrite_nb.persist_schema", "dendrite_nb.persist_write")}
 
 
-def module_imports(path: Path) -> set[str]:
-    """Absolute names `path` imports, relative imports resolved against its package, each name imported by
-    `from X import name` also counted as the module X.name (it may be one)."""
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    package = ".".join(parts[:-1] if parts[-1] != "__init__" else parts[:-1])
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-            module = ".".join(part for part in (base, node.module or "") if part)
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
-
-
 def group_of(module: str) -> str | None:
     return next((group for group, prefixes in GROUPS.items()
                  if any(module == p or module.startswith(p + ".") for p in prefixes)), None)
@@ -87,7 +72,7 @@ def test_no_import_cycle_between_engine_kv_attention_and_persist():
         source = group_of(module.removesuffix(".__init__"))
         if source is None:
             continue
-        for name in module_imports(path):
+        for name in modules_imported_by(path, ROOT):
             target = group_of(name)
             if target is not None and target != source:
                 edges[source].add(target)

@@ -1,5 +1,4 @@
 """The attention interface: each backend's declared abilities match the calls it has, and kv never imports attention."""
-import ast
 import importlib
 import inspect
 from pathlib import Path
@@ -8,6 +7,7 @@ import pytest
 
 from dendrite_nb.attention import BACKENDS, Capabilities
 from dendrite_nb.kv import layout
+from tests.support.imports import imported_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each flag of Capabilities and the calls a True flag promises (tree_segments and prefill_chunk_tokens promise
@@ -41,24 +41,9 @@ def test_declarations_are_frozen():
         backend_class("torch").capabilities.tree_segments = True  # one backend's change would leak to every user
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Absolute names of the modules `path` imports, relative imports resolved against its package."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-            module = ".".join(part for part in (base, node.module or "") if part)
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
-
-
 def test_kv_never_imports_attention():
     offending = [(str(path.relative_to(ROOT)), name) for path in sorted((ROOT / "dendrite_nb" / "kv").rglob("*.py"))
-                 for name in imported_modules(path) if name.startswith("dendrite_nb.attention")]
+                 for name in imported_modules(path, ROOT) if name.startswith("dendrite_nb.attention")]
     assert offending == []
 
 
