@@ -8,6 +8,10 @@
     decode.py        DecodeLoop: one generate() call, step by step
     grammars.py      constrained decoding per branch
     preemption.py    parking branches' KV in host memory and making room for a step
+    conversation.py  the tokens one chat message adds to a branch
+    closed.py        what stands in for the parts a closed engine let go of
+
+docs/architecture.md follows one generate() call through them.
 """
 from .branch_state import Branch
 from .engine import Engine
