@@ -55,6 +55,12 @@ def is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
+def check_switch(name: str, value: Any) -> None:
+    """Raise ValueError unless an on/off option is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}.")
+
+
 def check_pool_options(block_size: Any = 16, num_blocks: Any = None) -> tuple[int, int | None]:
     """Raise ValueError on a pool size torch could not allocate, before any weight is loaded; returns the sizes as
     plain ints."""
@@ -88,6 +94,9 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = _option(None, False, "options",
                                                "tokens per prefill forward (default: the backend's, 512 or 4,096)")
     cuda_graphs: bool | None = _option(None, True, None, "replay decode steps as CUDA graphs (default: where they can)")
+    prefix_reuse: bool = _option(True, True, "options", "prefill only the tokens of a prompt the tree does not hold")
+    prefix_cache: bool = _option(False, True, "options",
+                                 "keep what pruned branches held as cache for later prompts, evicted when needed")
 
     def __post_init__(self) -> None:
         block_size, num_blocks = check_pool_options(self.block_size, self.num_blocks)
@@ -106,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True, False or None (where they can run), got {self.cuda_graphs!r}.")
+        for name in ("prefix_reuse", "prefix_cache"):
+            check_switch(name, getattr(self, name))
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -17,18 +17,19 @@ Every public Engine method runs through `engine_call`, which gives it four guara
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from .errors import DendriteError
 from .events import Event
 from .interrupts import DeferredInterrupt
 from .kv.journal import Journal
 
-# Calls a listener may not make while another call runs: a nested generate would decode branches the running
-# one is decoding, and close would free the pool under it.
-NOT_NESTED = frozenset({"generate", "close"})
+# Calls a listener may not make while another call runs: a nested generate (or a batch's step) would decode
+# branches the running one is decoding, and close would free the pool under it.
+NOT_NESTED = frozenset({"generate", "step", "close"})
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -121,3 +122,41 @@ def _nested(engine: Any, calls: EngineCalls, method: Callable, name: str, args: 
         for event in events:
             calls.deliver(engine._emit, event)
     return result
+
+
+@contextlib.contextmanager
+def atomic_calls(engine: Any) -> Iterator[None]:
+    """Engine.atomic(): the calls made in the block are one call, under the same guarantees (one owner, all or
+    nothing, Ctrl-C at safe points, events after commit). generate() is not one of them (it commits each step)."""
+    calls: EngineCalls = engine._calls
+    with calls.lock:
+        if calls.depth:   # inside a call already: a nested part of it
+            mark, queued = calls.journal.mark(), len(calls.events)
+            calls.depth += 1
+            try:
+                yield
+            except BaseException:
+                calls.journal.rollback(mark)
+                del calls.events[queued:]
+                raise
+            finally:
+                calls.depth -= 1
+            return
+        journal = calls.journal
+        journal.commit()
+        with DeferredInterrupt() as interrupt:
+            calls.depth, calls.running, calls.interrupt = 1, "atomic", interrupt
+            try:
+                yield
+            except BaseException:
+                journal.rollback()
+                calls.events.clear()
+                raise
+            finally:
+                calls.depth, calls.running, calls.interrupt = 0, None, None
+            journal.commit()
+        events, calls.events = calls.events, []
+        for event in events:
+            engine._emit(event)
+        if interrupt.pending:
+            raise KeyboardInterrupt

@@ -21,7 +21,8 @@ class BranchExists(DendriteError, ValueError):
 
 
 class EmptyBranch(DendriteError, ValueError):
-    """An operation that needs at least one token on the branch."""
+    """An operation that needs at least one token on the branch, and the hidden state after its last one (which a
+    rewind into a run of tokens leaves unknown until the branch grows)."""
 
 
 class ContextOverflow(DendriteError, ValueError):

@@ -31,7 +31,7 @@ class DecodeStep:
 
 @dataclass(frozen=True, slots=True)
 class TreeChanged:
-    reason: str                 # "new_branch", "append", "fork", "prune", "preempt" or "generate"
+    reason: str                 # "new_branch", "append", "fork", "prune", "preempt", "generate", "rewind", "drop_cache"
     branches: tuple[str, ...]   # the branches the call named
 
 

@@ -10,28 +10,14 @@ independently, and a prune drops it with the branch.
 """
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .constraints import LLGUIDANCE_FORMAT, Constraint
+from .constraints import Constraint
 from .errors import ConstraintError
-
-# JSON output without free whitespace: a schema is about the values, and a sampling model (a random one
-# above all) would otherwise spend its tokens on spaces and newlines between them.
-JSON_DEFAULTS = {"whitespace_flexible": False}
-
-
-def grammar_text(constraint: Constraint) -> str:
-    """The llguidance grammar for a constraint (JSON schemas get compact whitespace unless they say otherwise)."""
-    import llguidance
-
-    source = constraint.grammar_source()
-    if constraint.kind == "json_schema" and "x-guidance" not in constraint.value:
-        source = json.dumps({**constraint.value, "x-guidance": JSON_DEFAULTS})
-    return llguidance.grammar_from(LLGUIDANCE_FORMAT[constraint.kind], source)
+from .grammar_cache import StartedGrammars
 
 
 def first_token_error(matcher) -> str | None:
@@ -62,22 +48,22 @@ class Guidance:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
         self.executor = llguidance.LLExecutor(max(1, min(8, (os.cpu_count() or 2) - 1)))
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dendrite-mask")
-        # The last grammar started, untouched: check_generate starts a call's grammar and its generate attaches
-        # copies of the same, so the grammar compiles (and is probed) once a call.
-        self._started: tuple[str, object] | None = None
+        # check_generate starts a call's grammar and its generate attaches copies of the same; a grammar seen
+        # before (an earlier call's, a re-run cell's) is not compiled again either.
+        self._started = StartedGrammars(self._compile)
 
     def matcher(self, constraint: Constraint):
         """A fresh matcher at the start of the constraint's grammar; ConstraintError if it cannot start."""
+        return self._started.start(constraint)
+
+    def _compile(self, grammar_text: str) -> tuple[object, str | None, str | None]:
+        """(matcher at the grammar's start, compile error, start error) under this tokenizer."""
         import llguidance
 
-        text = grammar_text(constraint)
-        if self._started is None or self._started[0] != text:
-            matcher = llguidance.LLMatcher(self.tokenizer, text)
-            error = matcher.get_error() if matcher.is_error() else first_token_error(matcher)
-            if error:
-                raise ConstraintError(f"llguidance cannot start this {constraint.kind}: {error}")
-            self._started = (text, matcher)
-        return self._started[1].deep_copy()
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text)
+        if matcher.is_error():
+            return None, matcher.get_error(), None
+        return matcher, None, first_token_error(matcher)
 
     def fill(self, matchers: list) -> torch.Tensor:
         """The allowed-token bitmask of each matcher, [len(matchers), ceil(vocab / 32)] int32 on the CPU."""
@@ -103,6 +89,7 @@ class Guidance:
 
     def close(self) -> None:
         self._filler.shutdown(wait=True)
+        self._started.clear()
 
     def consume(self, matchers: list, tokens: list[int], branch_names: list[str]) -> None:
         """Advance each matcher by its sampled token, in parallel on llguidance's threads."""

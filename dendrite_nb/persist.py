@@ -119,7 +119,7 @@ def save(engine: SessionEngine, path: str | Path) -> Path:
         branches.append({
             "name": name, "node": dump.branches[name], "seed": branch.seed,
             "generator": branch.generator is not None,
-            "constraint": None if constraint is None else {constraint.kind: _jsonable(constraint.value)},
+            "constraint": None if constraint is None else constraint.spec(),
             "constraint_from": branch.constraint_from, "priority": branch.priority,
             "chat": None if branch.chat is None else branch.chat._asdict(),
         })
@@ -169,10 +169,6 @@ def _mode_for(target: Path) -> int:
         umask = os.umask(0)  # the only way to read the umask is to set it; put it straight back
         os.umask(umask)
         return 0o666 & ~umask
-
-
-def _jsonable(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
 
 
 # ---- restore -------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from .config import DTYPES, KV_DTYPES, EngineConfig
-from .constraints import CONSTRAINT_KINDS, parse_constraint
+from .constraints import CONSTRAINT_KINDS, JSON_SCHEMA_OPTIONS, parse_constraint
 from .errors import DendriteError, SaveFileError
 from .kv.allocator import BlockAllocator
 from .kv.tree import BranchTree
@@ -207,7 +207,8 @@ def _options(options: Any) -> None:
               "seed": lambda value, where: _int(value, where, -(2**63), SEED_LIMIT - 1),
               "debug": _bool,
               "prefill_chunk_tokens": lambda value, where: value is None or _int(value, where, 1, 2**31 - 1),
-              "cuda_graphs": lambda value, where: value is None or _bool(value, where)}
+              "cuda_graphs": lambda value, where: value is None or _bool(value, where),
+              "prefix_reuse": _bool, "prefix_cache": _bool}
     for name, value in options.items():
         if name in checks:
             checks[name](value, f"options.{name}")
@@ -290,8 +291,10 @@ def _branches(saved: Any, nodes: list[dict[str, Any]], has_tokenizer: bool) -> l
 def _constraint(spec: Any, where: str, has_tokenizer: bool) -> None:
     if spec is None:
         return
-    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in CONSTRAINT_KINDS:
-        _bad(where, f"null or an object with one key of {', '.join(CONSTRAINT_KINDS)}", spec)
+    # a file written before json_schema options existed holds one key; parse_constraint checks the options
+    if not isinstance(spec, dict) or sum(key in CONSTRAINT_KINDS for key in spec) != 1:
+        _bad(where, f"null or an object with one key of {', '.join(CONSTRAINT_KINDS)} (and a json_schema's "
+                    f"options {', '.join(JSON_SCHEMA_OPTIONS)})", spec)
     if not has_tokenizer:
         raise SaveFileError(f"save file field {where} holds a constraint, but the session's engine has random "
                             f"weights and no tokenizer to constrain with; {FIX}.")

@@ -20,6 +20,8 @@ def tree_snapshot(tree: BranchTree) -> dict[str, Any]:
             "branches": sorted(node.branch_names),
             # its KV is out of the pool (host memory, or dropped for recompute) until its branch grows again
             "preempted": node.swapped_blocks > 0,
+            # no branch reaches it: kept for prefix reuse (Engine.prefix_cache), evicted when its blocks are needed
+            "cached": node in tree.cache,
             # over the node's tokens sampled with generate(..., logprobs=True); None when it has none
             "mean_logprob": sum(node.logprobs.values()) / len(node.logprobs) if node.logprobs else None,
         }

@@ -21,7 +21,7 @@ class BranchStates:
         elif isinstance(event, TreeChanged):
             if event.reason == "generate":
                 self.decoding.clear()
-            elif event.reason in ("prune", "append"):
+            elif event.reason in ("prune", "append", "rewind"):
                 self.finished.difference_update(event.branches)
                 self.decoding.difference_update(event.branches)
 

@@ -4,7 +4,8 @@
     inputs.py        checks of token ids, text, branch references and room
     branch_state.py  the engine's Branch: the tree's pointer plus its decode state
     build.py         weights, tokenizer and device-dependent sizes
-    prefill.py       chunked prefill and scoring of given tokens
+    prefill.py       chunked prefill (after prefix reuse) and scoring of given tokens; PrefillReport
+    rewind.py        a branch moved back to an earlier length
     decode.py        DecodeLoop: one generate() call, step by step
     grammars.py      constrained decoding per branch
     preemption.py    parking branches' KV in host memory and making room for a step

@@ -19,7 +19,8 @@ from ..sampling import derive_seed
 class Branch(kv_tree.Branch):
     """A named, movable pointer to a node, and its decode state. Handles go stale when the branch is pruned."""
 
-    __slots__ = ("_seed", "_seed_base", "generator", "constraint", "matcher", "constraint_from", "priority", "chat")
+    __slots__ = ("_seed", "_seed_base", "generator", "constraint", "matcher", "constraint_from", "priority", "chat",
+                 "finish_reason")
 
     def __init__(self, name: str, node: kv_tree.Node, tree: kv_tree.BranchTree, seed: int | None = 0,
                  seed_base: int = 0):
@@ -35,6 +36,9 @@ class Branch(kv_tree.Branch):
         self.priority = 0.0  # generate(max_batch=...) decodes higher priorities first; forks inherit it
         # The conversation Engine.chat built here (an immutable chat.ChatState), or None; a fork shares it.
         self.chat = None
+        # Why the branch's last generation stopped (decode.FINISH_REASONS: "eos", "stop_string",
+        # "grammar_complete", "max_tokens"), or None before any; what the server reports as finish_reason.
+        self.finish_reason = None
 
     @classmethod
     def forks(cls, names: list[str], node: kv_tree.Node, tree: kv_tree.BranchTree, parent: Branch) -> list[Branch]:
@@ -49,6 +53,7 @@ class Branch(kv_tree.Branch):
             child.generator = None
             child.priority = priority
             child.chat = chat
+            child.finish_reason = None
             # Each child continues the grammar from the same position, on its own.
             if matcher is None:
                 child.constraint, child.matcher, child.constraint_from = None, None, 0

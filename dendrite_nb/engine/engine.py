@@ -10,7 +10,9 @@ raises a typed error and leaves the tree, the refcounts and the free blocks exac
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -18,14 +20,14 @@ import torch
 
 from ..attention import make_backend
 from ..chat import ChatState
-from ..config import KV_DTYPES, EngineConfig, is_count, parse_dtype
-from ..constraints import Constraint, parse_constraint
-from ..engine_calls import EngineCalls, engine_call
+from ..config import KV_DTYPES, EngineConfig, check_switch, is_count, parse_dtype
+from ..constraints import Constraint
+from ..engine_calls import EngineCalls, atomic_calls, engine_call
 from ..errors import GenerationInterrupted
 from ..events import Event, Listener, Subscription, TreeChanged
 from ..forward import ForwardRunner
 from ..kv import BranchTree, KVPool
-from ..kv.journal import restore_attrs
+from ..kv.journal import restore_attrs, restore_key
 from ..model.transformer import CausalLM
 from ..sampling import SamplingParams, check_seed, derive_seed
 from ..snapshot import block_snapshot, tree_snapshot
@@ -33,18 +35,21 @@ from ..wording import counted
 from . import build
 from .branch_state import Branch
 from .closed import Closed
-from .conversation import plan_message
+from .conversation import plan_message, plan_messages
+from .batch import DecodeBatch
 from .decode import PENDING_TOKEN, DecodeLoop, DecodeParts, GenerateCall
 from .grammars import Grammars
 from .inputs import BranchRef, Inputs, TokensLike
-from .prefill import Prefill, run_chunk
+from .prefill import Prefill, PrefillReport, reports_prefill, run_chunk
 from .preemption import Preemption
+from .rewind import check_rewind, rewind
 
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Any | None, **options: Any):
         """An engine around a loaded model. Options (EngineConfig, dendrite_nb/config.py): device, kv_dtype ("fp8"
-        for an e4m3 cache), block_size, num_blocks, attention, seed, debug, prefill_chunk_tokens, cuda_graphs."""
+        for an e4m3 cache), block_size, num_blocks, attention, seed, debug, prefill_chunk_tokens, cuda_graphs,
+        prefix_reuse, prefix_cache."""
         EngineConfig.check_keywords(options)
         settings = self.engine_config = EngineConfig(**options)
         self.model, self.tokenizer, self.config = model, tokenizer, model.config
@@ -71,6 +76,7 @@ class Engine:
         self._graphs = build.forward_graphs(settings.cuda_graphs, model, self.backend, self.pool, kv_layers, self.device)
         self._runner = ForwardRunner(model, self.backend, self.pool, kv_layers, self._graphs, self.device)
         self.branch_tree = tree = BranchTree(self.pool.allocator, settings.block_size, branch_type=Branch)
+        tree.prefix_cache = settings.prefix_cache
         self._journal = tree.journal
         self._calls = EngineCalls(self._journal)
         eos = set(self.config.eos_token_ids)
@@ -81,6 +87,7 @@ class Engine:
         self._preemption = Preemption(tree, self.pool, self._journal, lambda chunk: run_chunk(tree, self._runner, chunk))
         self._prefill = Prefill(tree, self._runner, model, self._inputs, self._preemption,
                                 self._calls.check_interrupt, chunk_tokens)
+        self._prefill.reuse_prefixes = settings.prefix_reuse
         self._grammars = Grammars(tokenizer, self.config.vocab_size, self._inputs, self._journal)
         self._decode_parts = DecodeParts(tree, self._runner, model, self._inputs, self._preemption, self._grammars,
                                          self._journal, self.device)
@@ -97,7 +104,9 @@ class Engine:
         Options: kv_dtype ("fp8" for an e4m3 cache), block_size (tokens per KV block), num_blocks (pool
         size; default fits the device), attention ("torch", "torch-tree", "triton", "flashinfer" or "auto"), cuda_graphs
         (default: on for CUDA with triton), seed (base of per-branch seeds), debug (KV canaries),
-        prefill_chunk_tokens (tokens per prefill forward; default 4,096, or 512 with the torch reference).
+        prefill_chunk_tokens (tokens per prefill forward; default 4,096, or 512 with the torch reference),
+        prefix_reuse (default on: a prompt's tokens the tree holds already are not prefilled again), prefix_cache
+        (default off: keep what pruned branches held, for later prompts to reuse; see Engine.prefix_cache).
         """
         settings = cls._settings_before_loading(device, options)
         model, tokenizer, origin = build.load_checkpoint(path, settings.device, parse_dtype(dtype))
@@ -149,6 +158,7 @@ class Engine:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     @engine_call
+    @reports_prefill
     def chat(self, branch: BranchRef, role: str, content: str, *, generation_prompt: bool | None = None,
              logprobs: bool = False) -> Branch:
         """Append one more chat message: exactly the tokens the model's chat template adds for it.
@@ -170,6 +180,27 @@ class Engine:
         return resolved
 
     @engine_call
+    def chat_many(self, branch: BranchRef, messages: Sequence[tuple[str, str]], *,
+                  generation_prompt: bool | None = None, logprobs: bool = False) -> Branch:
+        """Append several chat messages ((role, content) pairs) in one prefill: exactly the tokens chat() would
+        add for each in turn, with generation_prompt applying to the last (the ones before it open no assistant
+        turn). What a server does with a request's whole conversation: one forward (or chunk), and with prefix
+        reuse only what the tree does not hold yet is prefilled. All or nothing, as chat()."""
+        resolved = self.branch_tree.resolve(branch)
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("chat_many takes a non-empty list of (role, content) pairs.")
+        pairs = []
+        for message in messages:
+            if not isinstance(message, (tuple, list)) or len(message) != 2:
+                raise ValueError(f"each message is a (role, content) pair, got {message!r}.")
+            pairs.append((message[0], message[1]))
+        tokens, state = plan_messages(self.tokenizer, self._inputs, resolved, pairs, generation_prompt)
+        self.append(resolved, tokens, logprobs=logprobs)
+        self._journal.log(restore_attrs, resolved, {"chat": resolved.chat})
+        resolved.chat = state
+        return resolved
+
+    @engine_call
     def chat_tokens(self, branch: BranchRef, role: str, content: str, *,
                     generation_prompt: bool | None = None) -> list[int]:
         """The token ids chat() would append to `branch` now, checked as chat() checks them; changes nothing."""
@@ -178,8 +209,14 @@ class Engine:
 
     # ---- the branch API -----------------------------------------------------------------------
     @engine_call
+    @reports_prefill
     def new_branch(self, name: str, prompt: TokensLike | None = None, *, seed: int | None = None) -> Branch:
-        """A new branch from the empty root, prefilled with `prompt` (text gets the tokenizer's BOS)."""
+        """A new branch from the empty root, prefilled with `prompt` (text gets the tokenizer's BOS).
+
+        With prefix_reuse on (the default), the prompt's tokens that the tree holds already (any branch's, or the
+        cache's) are not prefilled again: the branch starts where they end, and shares their KV. At least the last
+        token is prefilled, unless the tree holds the hidden state after it too. `prefill_report` says how many
+        tokens were reused."""
         self.branch_tree.check_new_names([name])
         if seed is not None:
             check_seed(seed)   # as the engine's seed is checked: it seeds this branch's generator
@@ -195,12 +232,17 @@ class Engine:
     def append(self, branch: BranchRef, content: TokensLike, *, logprobs: bool = False) -> Branch:
         """Prefill text or token ids onto the end of a branch (one forward per chunk).
 
+        Where the tokens would start a new node (the branch's node is shared, or has children), those the tree
+        holds already there are reused, not prefilled, as in new_branch (not with logprobs=True, which needs every
+        token's forward).
+
         With logprobs=True, each appended token keeps the model's log-probability of it given everything
         before it (read them with `logprobs(branch)`): a way to score given text, such as candidate answers
         forked from one question. A branch's very first token has nothing before it and gets none."""
         return self.append_many([(branch, content)], logprobs=logprobs)[0]
 
     @engine_call
+    @reports_prefill
     def append_many(self, items: Iterable[tuple[BranchRef, TokensLike]], *, logprobs: bool = False) -> list[Branch]:
         """Prefill several branches together, in shared forwards; all or nothing. logprobs: as in append."""
         if not isinstance(logprobs, bool):
@@ -224,6 +266,7 @@ class Engine:
         return [b for b, _ in pairs]
 
     @engine_call
+    @reports_prefill
     def write(self, name: str, content: TokensLike = "", *, fork_of: BranchRef | None = None,
               role: str | None = None, logprobs: bool = False, room_for: int = 0,
               sampling: SamplingParams | None = None, constraint: dict[str, Any] | Constraint | None = None) -> Branch:
@@ -264,7 +307,7 @@ class Engine:
         The grammar position survives across calls and is copied by fork. Invalid specs raise
         ConstraintError (llguidance's message) and change nothing."""
         resolved = self.branch_tree.resolve(branch)
-        constraint = spec if isinstance(spec, Constraint) or spec is None else parse_constraint(spec)
+        constraint = self._grammars.parse(spec)
         if constraint is None:
             self._grammars.detach(resolved)
         else:
@@ -280,6 +323,15 @@ class Engine:
         children = self.branch_tree.fork(parent, names)   # new branches: dropped whole if the call fails
         self._calls.events.append(TreeChanged("fork", (parent.name, *names)))
         return children
+
+    @engine_call
+    def reseed(self, branch: BranchRef, seed: int) -> None:
+        """Restart a branch's sampling generator from `seed`: what it samples next depends on the seed alone, not
+        on its name (a server seeds each choice of a request this way, so that one seed gives one answer)."""
+        resolved = self.branch_tree.resolve(branch)
+        check_seed(seed)
+        self._journal.log(restore_attrs, resolved, {"_seed": resolved._seed, "generator": resolved.generator})
+        resolved._seed, resolved.generator = seed, None
 
     @engine_call
     def set_priority(self, branches: BranchRef | Sequence[BranchRef], priority: float) -> None:
@@ -323,7 +375,8 @@ class Engine:
         A branch's tokens do not depend on the schedule (each has its own sampling generator).
 
         A branch stops at EOS (unless sampling.ignore_eos), at a stop string (the token that completes
-        it is kept), or after max_new_tokens. Sampled tokens are appended to the branches.
+        it is kept), or after max_new_tokens; its `finish_reason` then says which ("eos", "stop_string",
+        "grammar_complete" or "max_tokens"). Sampled tokens are appended to the branches.
         `constraint` first puts every given branch under that constraint, from the grammar's start
         (as `constrain` does); branches already constrained keep their own grammar position otherwise.
         A constrained branch samples only tokens its grammar allows and stops when the grammar is
@@ -337,8 +390,7 @@ class Engine:
         penalty or a constraint's mask, as transformers' forward gives it.
         """
         sampling = sampling if sampling is not None else SamplingParams()
-        if constraint is not None and not isinstance(constraint, Constraint):
-            constraint = parse_constraint(constraint)   # checked once, however many branches it goes to
+        constraint = self._grammars.parse(constraint)   # checked once, however many branches it goes to
         resolved = self.check_generate(branches, max_new_tokens, sampling, constraint)
         call = GenerateCall.checked(resolved, max_new_tokens, sampling, max_batch, logprobs)
         loop = DecodeLoop(self._decode_parts, call)
@@ -364,6 +416,20 @@ class Engine:
         self._calls.events.append(TreeChanged("generate", tuple(b.name for b in call.branches)))
         return loop.outputs
 
+    def atomic(self) -> contextlib.AbstractContextManager[None]:
+        """`with engine.atomic(): ...`: the engine calls in the block are one call, all or nothing. If the block
+        raises (Ctrl-C included: it stops the block at the next safe point), every change its calls made is undone
+        and the tree, the refcounts and the free blocks are as they were; other threads wait until it ends.
+        generate() cannot run inside (it keeps each step it finishes): call it after the block."""
+        return atomic_calls(self)
+
+    def batch(self) -> DecodeBatch:
+        """An open decode loop for continuous batching (engine/batch.py): branches join it between steps, each
+        with its own settings, and each step() decodes one token for all of them in one batched forward. Each
+        join and step is one engine call, so other calls get in between steps. What each row stopped at is in
+        StepDone.ended and in its branch's `finish_reason`."""
+        return DecodeBatch(self)
+
     @engine_call
     def check_generate(self, branches: BranchRef | Sequence[BranchRef], max_new_tokens: int,
                        sampling: SamplingParams | None = None,
@@ -374,8 +440,7 @@ class Engine:
             raise TypeError(f"sampling must be a SamplingParams, such as SamplingParams(temperature=0.0), got "
                             f"{type(sampling).__name__}.")
         resolved = self._inputs.resolve_list(branches)
-        if constraint is not None and not isinstance(constraint, Constraint):
-            constraint = parse_constraint(constraint)   # generate passes it parsed already
+        constraint = self._grammars.parse(constraint)   # generate passes it parsed already
         if constraint is not None:
             self._grammars.start(constraint)   # some grammars fail only when started; generate reuses this start
         else:
@@ -451,7 +516,91 @@ class Engine:
 
     @property
     def num_free_blocks(self) -> int:
+        """KV blocks on the free list (not counting those cached nodes hold: num_cached_blocks)."""
         return self.pool.allocator.num_free
+
+    # ---- prefix reuse -------------------------------------------------------------------------
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether prefills skip the tokens the tree holds already (option prefix_reuse, default on)."""
+        return self._prefill.reuse_prefixes
+
+    @prefix_reuse.setter
+    def prefix_reuse(self, on: bool) -> None:
+        check_switch("prefix_reuse", on)
+        self._prefill.reuse_prefixes = self.options["prefix_reuse"] = on
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether prune and rewind keep the nodes no branch reaches any more, with their KV, for later prompts to
+        reuse (option prefix_cache, default off). Cached nodes are evicted, least recently used first, only when
+        an allocation needs their blocks; a node a branch reaches never is. Turning it off evicts them all."""
+        return self.branch_tree.prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, on: bool) -> None:
+        self._set_prefix_cache(on)
+
+    @engine_call
+    def _set_prefix_cache(self, on: bool) -> None:
+        check_switch("prefix_cache", on)
+        if not on:
+            self.drop_cache()
+        self._journal.log(restore_attrs, self.branch_tree, {"prefix_cache": self.branch_tree.prefix_cache})
+        self._journal.log(restore_key, self.options, "prefix_cache", self.options["prefix_cache"], True)
+        self.branch_tree.prefix_cache = self.options["prefix_cache"] = on
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks that only cached nodes hold: free for any allocation that needs them (prefix_cache)."""
+        return self.branch_tree.cache.num_blocks
+
+    @engine_call
+    def drop_cache(self) -> int:
+        """Evict every cached node now; returns the blocks freed."""
+        freed = len(self.branch_tree.drop_cache())
+        if freed:
+            self._calls.events.append(TreeChanged("drop_cache", ()))
+        return freed
+
+    @property
+    def prefill_report(self) -> PrefillReport:
+        """Tokens reused and prefilled by the most recent new_branch, append, append_many, chat or write (zeros if
+        it added none); a failed call leaves the report as it was."""
+        return self._prefill.report
+
+    @property
+    def prefill_totals(self) -> PrefillReport:
+        """prefill_report summed over every call since the engine was made."""
+        return self._prefill.totals
+
+    @engine_call
+    def rewind(self, branch: BranchRef, num_tokens: int) -> Branch:
+        """Move a branch back so that it holds only its first num_tokens tokens; returns it. No forward runs and
+        nothing is copied but one KV block where a shared node is cut off a block boundary; what no branch reaches
+        any more is freed (or cached, with prefix_cache on). An append then reuses whatever the tree still holds
+        past the cut, so re-running edited text prefills only from its first changed token.
+
+        When the cut falls inside a run of tokens, the hidden state after the last kept token is not known until
+        the branch grows: append to it before next_logits or generate (to go on from exactly num_tokens tokens,
+        rewind to one fewer and append the last one again).
+
+        A constrained branch's grammar position is worked out again for the kept tokens (a cut before the point the
+        constraint was attached attaches it again there). A conversation chat() built keeps going if the cut spares
+        its last message; rewinding into its messages raises ValueError, except to 0, which starts it again. A
+        preempted branch is resumed first when the cut falls in its parked tokens (OutOfBlocks if it cannot be).
+        Bad input raises and changes nothing."""
+        resolved = self.branch_tree.resolve(branch)
+        if (isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral)
+                or not 0 <= num_tokens <= len(resolved)):
+            raise ValueError(f"num_tokens must be an int from 0 to the branch's length, {len(resolved):,}; got "
+                             f"{num_tokens!r}.")
+        num_tokens = int(num_tokens)
+        check_rewind(resolved, num_tokens)
+        if num_tokens < len(resolved):
+            rewind(self.branch_tree, self.pool, self._grammars, self._preemption, self._journal, resolved, num_tokens)
+            self._calls.events.append(TreeChanged("rewind", (resolved.name,)))
+        return resolved
 
     @property
     def num_blocks(self) -> int:

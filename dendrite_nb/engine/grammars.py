@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..constraints import Constraint
+from ..constraints import Constraint, parse_constraint
 from ..errors import ConstraintError
 from ..kv.journal import Journal, restore_attrs
 from .branch_state import Branch
@@ -24,6 +24,14 @@ class Grammars:
         # inputs: whose eos_token_ids end a grammar's text, read when llguidance loads
         self.tokenizer, self.vocab_size, self.inputs, self.journal = tokenizer, vocab_size, inputs, journal
         self.guidance = None   # llguidance state, built by the first constraint
+
+    def parse(self, spec: dict[str, Any] | Constraint | None) -> Constraint | None:
+        """parse_constraint(spec), its llguidance check made by starting the grammar under this engine's
+        tokenizer: the grammar compiles once, and the start that follows (check_generate, attach) copies that
+        matcher. A Constraint or None passes through unchanged."""
+        if spec is None or isinstance(spec, Constraint):
+            return spec
+        return parse_constraint(spec, start=self.start)
 
     def start(self, constraint: Constraint):
         """A matcher at the start of the constraint's grammar; raises ConstraintError if the grammar cannot

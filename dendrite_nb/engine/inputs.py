@@ -118,8 +118,14 @@ class Inputs:
 
     @staticmethod
     def check_not_empty(branch: Branch) -> None:
+        """Raise EmptyBranch unless the hidden state after the branch's last token (what decoding reads) is known."""
         if branch.node.last_hidden is None:
-            raise EmptyBranch(f"branch {branch.name!r} has no tokens yet; append a prompt first.")
+            length = len(branch)
+            if not length:
+                raise EmptyBranch(f"branch {branch.name!r} has no tokens yet; append a prompt first.")
+            raise EmptyBranch(f"branch {branch.name!r} was rewound into a run of tokens, so the state after its last "
+                              f"token is not known until it grows; append to it first (to go on from exactly these "
+                              f"{length:,} tokens: rewind it to {length - 1:,} and append its last token again).")
 
     def child_names(self, parent: str, count: int) -> list[str]:
         """`count` names for a fork's children: parent/0, parent/1, ..., the lowest indices not taken."""
@@ -166,8 +172,9 @@ class Inputs:
                                   f"{least}{adding:,}), the model allows {limit:,}{why}: {room}.")
 
     def check_blocks(self, growth: list[tuple[Branch, int]], what: str) -> None:
-        """Raise OutOfBlocks if the pool cannot hold each (branch, tokens) growth at once."""
+        """Raise OutOfBlocks if the pool cannot hold each (branch, tokens) growth at once (cached nodes' blocks
+        count as available: they are evicted when needed)."""
         needed = sum(self.tree.blocks_needed(b, n) for b, n in growth)
-        free = self.tree.allocator.num_free
-        if needed > free:
-            raise OutOfBlocks(needed, free, what)
+        available = self.tree.num_available
+        if needed > available:
+            raise OutOfBlocks(needed, available, what)

@@ -82,7 +82,7 @@ class Preemption:
     def check_room(self, resolved: list[Branch], max_new_tokens: int) -> None:
         """Raise OutOfBlocks unless each branch could generate max_new_tokens with every other branch that can be
         preempted out of the way (generate preempts as it goes, so not all need fit at once)."""
-        tree, free = self.tree, self.tree.allocator.num_free
+        tree, free = self.tree, self.tree.num_available   # cached nodes are evicted before any branch is preempted
         needs = [tree.blocks_needed(b, max_new_tokens) for b in resolved]
         if sum(needs) <= free:
             return
@@ -95,12 +95,12 @@ class Preemption:
 
     # ---- room for a decode step -------------------------------------------------------------------
     def fits(self, resolved: list[Branch], rows: Sequence[int]) -> bool:
-        """Whether one decode step of `rows` fits the free blocks. A resident row takes at most one block
-        per token, so the per-row count runs only near a full pool or with preempted rows."""
-        free = self.tree.allocator.num_free
-        if len(rows) <= free and not any(resolved[i].node.swapped_blocks for i in rows):
+        """Whether one decode step of `rows` fits the free blocks (and those cached nodes hold, evicted when
+        needed). A resident row takes at most one block per token, so the per-row count runs only near a full
+        pool or with preempted rows."""
+        if len(rows) <= self.tree.allocator.num_free and not any(resolved[i].node.swapped_blocks for i in rows):
             return True
-        return sum(self.tree.blocks_needed(resolved[i], 1) for i in rows) <= free
+        return sum(self.tree.blocks_needed(resolved[i], 1) for i in rows) <= self.tree.num_available
 
     def fit(self, resolved: list[Branch], rows: list[int]) -> list[int]:
         """`rows`, or the part of them the pool holds after preempting (see make_room)."""
@@ -121,7 +121,7 @@ class Preemption:
                          key=lambda b: (id(b) in in_call, b.priority))
         while True:
             need = sum(tree.blocks_needed(resolved[i], 1) for i in rows)
-            if need <= tree.allocator.num_free:
+            if need <= tree.num_available:   # cached nodes make way first (evicted as the step allocates)
                 return rows
             if victims:
                 self.preempt(victims.pop(0))

@@ -11,6 +11,9 @@ Plain Python, no torch: the engine moves tensors, this module decides which bloc
 - Fork adds names to a node: O(1) in context length, no block touched.
 - Every change logs how to undo it in the allocator's journal first (kv/journal.py), so a failed engine
   call puts the tree back as it was, whatever line the failure landed on.
+- Every block is held by exactly one node. Prune collects the nodes no branch reaches; with `prefix_cache` on,
+  it keeps those whose KV is in the pool as cache instead (kv/node_cache.py), evicted least recently used when
+  an allocation needs their blocks. Reusing what the tree holds for a new prompt is kv/prefix.py's.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ..errors import BranchExists, BranchPruned, OutOfBlocks, UnknownBranch
 from ..wording import counted
 from .allocator import BlockAllocator
 from .journal import drop_keys, drop_members, restore_attrs, restore_key, restore_member
+from .node_cache import NodeCache
 from .tree_dump import SavedNode, TreeDump, check_dump
 
 
@@ -63,6 +67,9 @@ class Node:
     # The model's log-probability of each token sampled by `generate(..., logprobs=True)`, by its index in
     # `tokens`; prompts, appends and tokens generated without logprobs have none.
     logprobs: dict[int, float] | None = None
+    # The tree's clock (BranchTree.clock) when the node was made, matched by a prompt or grown by a decode step:
+    # the cache evicts the least recently used first.
+    last_use: int = 0
 
     @property
     def end(self) -> int:
@@ -149,6 +156,45 @@ class BranchTree:
         self._next_node_id = 1
         self.root = Node(id=0, parent=None, start=0)
         self.branches: dict[str, Branch] = {}
+        # Keep the nodes no branch reaches as cache (Engine.prefix_cache) instead of collecting them.
+        self.prefix_cache = False
+        self.cache = NodeCache(self.journal)
+        self.clock = 0   # ticks once per use of nodes (Node.last_use): an append, a match, a decode step
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can have: the free ones, and those only cached nodes hold (evicted on demand)."""
+        return self.allocator.num_free + self.cache.num_blocks
+
+    def take_blocks(self, count: int, what: str) -> list[int]:
+        """`count` blocks off the free list, evicting least recently used cached nodes first if the free ones are
+        too few. Raises OutOfBlocks, changing nothing, when even evicting every cached node would not do."""
+        if count > self.allocator.num_free:
+            if count > self.num_available:
+                raise OutOfBlocks(count, self.num_available, what)
+            self.evict(count)
+        return self.allocator.allocate(count, what)
+
+    def evict(self, num_free: int) -> list[int]:
+        """Evict cached nodes, least recently used leaves first, until `num_free` blocks are free (or the cache is
+        empty). Returns the blocks freed."""
+        freed: list[int] = []
+        if self.allocator.num_free >= num_free:
+            return freed
+        for node in self.cache.least_recently_used():
+            self.cache.remove(node)
+            freed += self._detach(node)
+            if self.allocator.num_free >= num_free:
+                break
+        return freed
+
+    def drop_cache(self) -> list[int]:
+        """Evict every cached node; returns the blocks freed."""
+        freed: list[int] = []
+        for node in sorted(self.cache.nodes, key=lambda n: -n.start):   # children first: each starts past its parent
+            self.cache.remove(node)
+            freed += self._detach(node)
+        return freed
 
     # ---- lookup -------------------------------------------------------------------------------
     def resolve(self, branch: Branch | str) -> Branch:
@@ -240,8 +286,9 @@ class BranchTree:
 
     def resume(self, node: Node) -> list[int]:
         """Blocks for a preempted node again (the caller copies its KV back in). Raises OutOfBlocks first."""
+        blocks = self.take_blocks(node.swapped_blocks, "resuming a branch")
         self.journal.log(restore_attrs, node, {"blocks": node.blocks, "swapped_blocks": node.swapped_blocks})
-        node.blocks, node.swapped_blocks = self.allocator.allocate(node.swapped_blocks, "resuming a branch"), 0
+        node.blocks, node.swapped_blocks = blocks, 0
         return node.blocks
 
     def append(self, branch: Branch, tokens: list[int]) -> AppendRecord:
@@ -258,19 +305,22 @@ class BranchTree:
             raise RuntimeError(f"branch {branch.name!r} is preempted; resume it before appending")
         in_place = self._extends_in_place(branch)
         needed = self._needed(node, in_place, len(tokens))
-        if needed > self.allocator.num_free:  # the message is built only when it is needed (a hot path)
-            raise OutOfBlocks(needed, self.allocator.num_free, f"appending {len(tokens):,} tokens to {branch.name!r}")
+        if needed > self.allocator.num_free and needed > self.num_available:   # the message only when needed (hot)
+            raise OutOfBlocks(needed, self.num_available, f"appending {len(tokens):,} tokens to {branch.name!r}")
+        self.clock += 1
         if in_place:
             records.append(AppendRecord(branch, node, node, False, len(node.tokens), len(node.blocks), None,
                                         node.last_hidden))
-            new_blocks = self.allocator.allocate(needed) if needed else []
+            new_blocks = self.take_blocks(needed, "an append") if needed else []
             node.tokens.extend(tokens)
             node.blocks.extend(new_blocks)
+            node.last_use = self.clock
             return
-        new_blocks = self.allocator.allocate(needed)
+        new_blocks = self.take_blocks(needed, "an append")
         start = node.end
         cow = (self.block_table(node)[start // size], new_blocks[0]) if start % size else None
-        child = Node(id=self._next_node_id, parent=node, start=start, tokens=list(tokens), blocks=new_blocks)
+        child = Node(id=self._next_node_id, parent=node, start=start, tokens=list(tokens), blocks=new_blocks,
+                     last_use=self.clock)
         self._next_node_id += 1
         records.append(AppendRecord(branch, node, child, True, 0, 0, cow))
         node.children.append(child)
@@ -284,6 +334,8 @@ class BranchTree:
         mark = self.journal.mark()
         self.journal.log(self._undo_appends, records)
         size, root = self.block_size, self.root
+        self.clock += 1
+        now = self.clock
         try:
             for branch in branches:
                 node = branch.node
@@ -297,6 +349,7 @@ class BranchTree:
                 records.append(AppendRecord(branch, node, node, False, len(tokens), len(node.blocks), None,
                                             node.last_hidden))
                 tokens.append(token)
+                node.last_use = now
         except BaseException:   # all or nothing on its own too (a row that finds no block undoes the others)
             self.journal.rollback(mark)
             raise
@@ -346,18 +399,44 @@ class BranchTree:
         return children
 
     def prune(self, branch: Branch) -> list[int]:
-        """Remove the name; collect nodes nothing reaches. Returns the blocks that were freed."""
+        """Remove the name; collect nodes nothing reaches (or, with prefix_cache on, keep them as cache). Returns
+        the blocks that were freed."""
         self.journal.log(restore_key, self.branches, branch.name, branch, True)
         self.journal.log(restore_member, branch.node.branch_names, branch.name, True)
         del self.branches[branch.name]
         branch.node.branch_names.discard(branch.name)
+        return self.release(branch.node)
+
+    def release(self, node: Node) -> list[int]:
+        """After `node` lost a branch name: from it up, collect each node that no branch reaches any more, or, with
+        prefix_cache on, keep it as cache (a preempted one, whose KV is out of the pool, is collected). Returns the
+        blocks freed."""
         freed: list[int] = []
-        node = branch.node
-        while node is not self.root and not node.branch_names and not node.children:
+        cache = self.cache
+        while node is not self.root and not node.branch_names:
             parent = node.parent
-            freed += self._detach(node)
+            if self.prefix_cache and not node.swapped_blocks:
+                if not all(child in cache for child in node.children):
+                    break
+                cache.add(node)
+            elif node.children:
+                break
+            else:
+                freed += self._detach(node)
             node = parent
         return freed
+
+    def move(self, branch: Branch, node: Node) -> None:
+        """Point the branch at another node (logged: a failed call moves it back)."""
+        self.journal.log(self._move_back, branch, branch.node, node)
+        self._move(branch, node)
+
+    @staticmethod
+    def _move_back(branch: Branch, old: Node, new: Node) -> None:
+        """Undo of move: the branch on `old` again, however far the move got."""
+        new.branch_names.discard(branch.name)
+        old.branch_names.add(branch.name)
+        branch.node = old
 
     def _move(self, branch: Branch, node: Node) -> None:
         branch.node.branch_names.discard(branch.name)
@@ -378,9 +457,10 @@ class BranchTree:
 
     # ---- as plain data (a save file) -------------------------------------------------------------
     def dump(self) -> tuple[TreeDump, list[Node]]:
-        """The tree as plain data, and the live nodes it lists, in the same order (root left out), so the caller
-        can save what the engine hangs on them (last_hidden, swapped)."""
-        nodes = [node for node in self.nodes() if node is not self.root]
+        """The tree as plain data, and the live nodes it lists, in the same order (root and cached nodes left out),
+        so the caller can save what the engine hangs on them (last_hidden, swapped)."""
+        cache = self.cache   # cached nodes are left out: no branch reaches them (and none of their parents is)
+        nodes = [node for node in self.nodes() if node is not self.root and node not in cache]
         index = {id(node): i for i, node in enumerate(nodes)}
         saved = [SavedNode(id=node.id, parent=-1 if node.parent is self.root else index[id(node.parent)],
                            start=node.start, tokens=list(node.tokens), blocks=list(node.blocks),
@@ -478,7 +558,7 @@ class BranchTree:
     def audit(self) -> None:
         """Check every invariant of the tree and the pool; raises AssertionError naming the first failures."""
         held: Counter[int] = Counter()
-        problems = []
+        problems = self._audit_cache()
         for node in self.nodes():
             held.update(node.blocks)
             if node is self.root:
@@ -490,7 +570,7 @@ class BranchTree:
                 problems.append(f"node {node.id} holds {len(node.blocks)} blocks for {len(node.tokens)} tokens")
             if node.start != node.parent.end:
                 problems.append(f"node {node.id} starts at {node.start}, its parent ends at {node.parent.end}")
-            if not node.branch_names and not node.children:
+            if not node.branch_names and not node.children and node not in self.cache:
                 problems.append(f"node {node.id} is unreachable but was not collected")
             if node.logprobs and not all(0 <= i < len(node.tokens) for i in node.logprobs):
                 problems.append(f"node {node.id} holds log-probabilities past its {len(node.tokens)} tokens")
@@ -500,3 +580,24 @@ class BranchTree:
         if problems:
             raise AssertionError("tree audit failed: " + "; ".join(problems[:10]))
         self.allocator.audit(held)
+
+    def _audit_cache(self) -> list[str]:
+        """The cache holds exactly the nodes no branch reaches (none while prefix_cache is off), each in the tree
+        with its KV in the pool, and counts their blocks right."""
+        order = list(self.nodes())
+        reached: dict[int, bool] = {}
+        for node in reversed(order):   # children before their parents
+            reached[id(node)] = bool(node.branch_names) or any(reached[id(child)] for child in node.children)
+        problems = []
+        in_tree = {id(node) for node in order}
+        for node in self.cache.nodes:
+            if id(node) not in in_tree or reached[id(node)] or node.swapped_blocks:
+                problems.append(f"cached node {node.id} is detached, reached by a branch or preempted")
+        unreached = [node for node in order[1:] if not reached[id(node)] and node not in self.cache]
+        problems += [f"node {node.id} is unreachable but was not collected" for node in unreached if node.children]
+        if self.cache.nodes and not self.prefix_cache:
+            problems.append(f"{len(self.cache.nodes)} nodes are cached while prefix_cache is off")
+        if self.cache.num_blocks != sum(len(node.blocks) for node in self.cache.nodes):
+            problems.append(f"the cache counts {self.cache.num_blocks} blocks but its nodes hold "
+                            f"{sum(len(node.blocks) for node in self.cache.nodes)}")
+        return problems

@@ -67,6 +67,9 @@ SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
 
 OPERATIONS = [
     Operation("new_branch", lambda e: e.new_branch("n", list(range(70, 90)))),
+    # a's prompt is reused up to token 10, off a block boundary: a's node is split and a block copied
+    Operation("new_branch (reusing a prefix)", lambda e: e.new_branch("n", PROMPT[:10] + list(range(70, 80)))),
+    Operation("rewind", lambda e: e.rewind("a/1", len(PROMPT))),
     Operation("append", lambda e: e.append("a/0", list(range(5, 25)))),
     Operation("append_many", lambda e: e.append_many([("a/0", [7, 8, 9]), ("a/1", list(range(10, 22))),
                                                       ("s", [3, 4])])),

@@ -252,7 +252,10 @@ def test_tokens_appended_after_a_closed_turn_stay_before_the_next_message(eng):
     assert branch.tokens == held + aside + encode(eng, added)
 
 
-def test_forks_of_a_conversation_share_the_kv_of_every_earlier_turn(eng):
+def test_forks_of_a_conversation_share_the_kv_of_every_earlier_turn(eng, monkeypatch):
+    # Each fork's message prefilled on its own, so that its node hangs off the trunk's: prefix reuse would also share
+    # the header the two messages start with (tests/engine/test_prefix_reuse.py).
+    monkeypatch.setattr(eng, "prefix_reuse", False)
     trunk = eng.new_branch("trunk")
     eng.chat(trunk, "user", "Pick a colour.")
     eng.chat(trunk, "assistant", "Blue.")
@@ -401,3 +404,34 @@ def test_save_and_restore_keep_the_conversation(eng, tmp_path):
     restored.chat("talk", "user", "Bye")
     assert restored.branch("talk").tokens == branch.tokens
     assert restored.branch("talk").chat == branch.chat
+
+
+# ---- chat_many: a whole conversation in one prefill -------------------------------------------------------------
+CONVERSATION = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello! How can I help?"),
+                ("user", "What is 2+2?")]
+
+
+def test_chat_many_adds_what_chat_adds_message_by_message(eng):
+    one_by_one = eng.new_branch("one")
+    for position, (role, content) in enumerate(CONVERSATION):
+        eng.chat(one_by_one, role, content, generation_prompt=None if position == len(CONVERSATION) - 1 else False)
+    together = eng.chat_many(eng.new_branch("together"), CONVERSATION)
+    assert together.tokens == one_by_one.tokens
+    assert together.tokens == reference(eng, [message(r, c) for r, c in CONVERSATION], True)
+    assert together.chat == one_by_one.chat
+    reply = eng.generate([together], 6, GREEDY)[0]   # the reply joins the conversation, as after chat()
+    eng.chat(together, "user", "Thanks.")
+    assert together.chat.messages[-2] == ("assistant", eng.decode(
+        [t for t in reply if t not in eng.eos_token_ids]))
+
+
+def test_chat_many_refused_changes_nothing(eng):
+    eng.chat_many(eng.new_branch("c"), CONVERSATION[:2])
+    before = (eng.tree(), eng.block_table(), eng.num_free_blocks, eng.branch("c").chat)
+    with pytest.raises(ChatError, match="generation prompt"):   # a user message with no reply before it
+        eng.chat_many("c", [("user", "Again?"), ("user", "And again?")])
+    with pytest.raises(ValueError, match="a \\(role, content\\) pair"):
+        eng.chat_many("c", ["user: hi"])
+    with pytest.raises(ValueError, match="non-empty"):
+        eng.chat_many("c", [])
+    assert (eng.tree(), eng.block_table(), eng.num_free_blocks, eng.branch("c").chat) == before

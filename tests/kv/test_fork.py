@@ -26,6 +26,7 @@ def test_fork_at_t3_decodes_like_a_linear_run(checkpoint):
     eng.generate([sibling], 5, SAMPLED)  # the sibling copies the shared tail block first
     child_logits = decode_recording_logits(eng, child, 20, SAMPLED)
 
+    eng.prefix_reuse = False   # a linear run of its own: prefilled afresh, not reading the trunk's KV
     linear = eng.new_branch("linear", PROMPT, seed=child.seed)
     eng.generate([linear], 3, GREEDY)
     linear_logits = decode_recording_logits(eng, linear, 20, SAMPLED)
