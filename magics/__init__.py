@@ -8,9 +8,12 @@ From Python: `current_engine()` is the session's Engine, `current_session()` the
 It may import dendrite_nb and dendrite_nb.widgets; the engine never imports it. It calls only the engine's
 public API.
 
-    session_magics.py  %dendrite: load, demo, restore, save, autosave, status
+    session_magics.py  %dendrite: load, demo, restore, save, autosave, serve, status
     branch_magics.py   %%branch, %fork, %prune, %show
+    rerun.py           a %%branch cell run again: the same text is a no-op, edited text prefills only its tail
     gen_magic.py       %gen, and the streaming generation %%branch --gen shares
+    server_gen.py      %gen while the kernel's server runs: decoded in the server's batch
+    serving.py         the kernel's OpenAI-compatible server (%dendrite serve)
     view_magics.py     %tree, %blocks, %throughput
     arguments.py       argument parsing, the sampling options, engine refusals as UsageErrors
     cell_options.py    a cell's constraint, from its metadata or its `#|` lines

@@ -5,16 +5,26 @@ Each checks all of its input before it changes anything: a refused cell leaves t
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from dendrite_nb.wording import counted
+
 from .arguments import parse_arguments, sampling_arguments, sampling_from, sampling_options_set, user_errors
 from .cell_options import cell_constraint, split_inline_options
 from .gen_magic import stream_generation
+from .rerun import CellWrite, cell_key, check_rewrite_fits, rerun_of, rewrite
 from .results import Branches, Pruned
 from .session import SessionBoundMagics, check_new_name
 from .show import show_branch
+
+
+def _rerun_note(action: str, record: CellWrite) -> str:
+    replaced = len(record.tokens) - record.text_end
+    return action + (f"; its earlier generation ({counted(replaced, 'token')}) is replaced" if replaced else "")
 
 
 def cell_text(cell: str) -> str:
@@ -46,6 +56,13 @@ class BranchMagics(SessionBoundMagics):
         (with the template's default system prompt, if it has one), and after a user message the
         assistant's turn opens, so --gen N generates the reply. What the branch gained since its last
         chat message (a reply) becomes the assistant's message. Forks of a conversation share its KV.
+
+        Running the same cell again, while its branch is still as the cell left it, does not append
+        the text twice: the same text is a no-op that says so; edited text replaces the old, and only
+        the tokens from the first changed one are prefilled (the result says how many were reused);
+        with --gen, the old generation is replaced by a new one. "The same cell" is the cell id the
+        front end sends (JupyterLab, Notebook 7, VS Code); without one, the same line and text.
+        A branch changed since (generated, appended to) gets the text appended, as a new cell would.
 
         Examples::
 
@@ -83,6 +100,47 @@ class BranchMagics(SessionBoundMagics):
             raise UsageError(f"{', '.join(ignored)} only apply when the cell generates; add --gen N, or drop them.")
         sampling = sampling_from(args)
         constraint = cell_constraint(self.shell, inline, generating=args.gen > 0)
+        content = body if body or args.chat else []   # an empty cell adds no token (not even a BOS)
+        cell_id = cell_key(self.shell, line, cell)
+        record = rerun_of(self.session.cell_writes, engine, args.name, args.parent, cell_id)
+        if record is not None and record.content == (role, body) and not args.gen and not args.logprobs:
+            return Branches(f"{args.name} unchanged, the cell's text is already there", (args.name,),
+                            (len(record.tokens),), engine.num_free_blocks)
+        report = None
+        if record is not None:
+            check_rewrite_fits(engine, args.name, record, body, args.gen)
+            with user_errors():
+                report = rewrite(engine, args.name, record, content, role, args.logprobs, args.gen, sampling,
+                                 constraint)
+        if report is not None:
+            branch, before = engine.branch(args.name), record.length_before
+            counts = f"reused {counted(report.reused_tokens, 'token')}, prefilled {report.prefilled_tokens:,}"
+            action = (f"{args.name}: the cell's text is there already ({counts})" if record.content == (role, body)
+                      else f"rewrote {args.name} from the cell's first changed token ({counts})")
+        else:
+            branch, before, action = self._write(args, engine, body, content, role, sampling, constraint)
+            if record is not None:   # the same cell, but rewind() refused to go back into a conversation
+                action += (" (this cell ran before, but a conversation goes back only to the end of a message: "
+                           "its text was added again)")
+        written = CellWrite(cell_id, (role, body), before, len(branch), constraint if args.gen else None, ())
+        if args.gen:
+            note = None if record is None else _rerun_note(action, record) if report is not None else action
+            try:
+                return stream_generation(self.session, [branch], args.gen, sampling, constraint,
+                                         logprobs=args.logprobs, note=note)
+            finally:   # an interrupted generation too: the branch kept its tokens, and a re-run replaces them
+                self._remember(args.name, written)
+        self._remember(args.name, written)
+        # Only with --logprobs: reading them walks the branch's whole path.
+        scored = [lp for lp in engine.logprobs(branch)[before:] if lp is not None] if args.logprobs else []
+        return Branches(action, (branch.name,), (len(branch),), engine.num_free_blocks,
+                        sum(scored) / len(scored) if scored else None,
+                        report.reused_tokens if report is not None else None,
+                        report.prefilled_tokens if report is not None else None)
+
+    def _write(self, args, engine, body: str, content, role: str | None, sampling, constraint):
+        """The cell's text onto a new branch, a fork, or the end of an existing one: (branch, its length before the
+        text, what the result says it did)."""
         with user_errors():
             exists = args.name in engine.branches
             extending = exists and args.parent is None
@@ -94,22 +152,21 @@ class BranchMagics(SessionBoundMagics):
                     raise UsageError(f"branch {args.name!r} would have no tokens to generate from; write a prompt "
                                      f"in the cell.")
             before = len(engine.branch(args.name)) if extending else 0
-            content = body if body or args.chat else []   # an empty cell adds no token (not even a BOS)
             # One engine call, all or nothing: refused (a taken name, no room for the tokens to generate, a
             # completed grammar), the cell changes nothing, a fork or new branch included.
             branch = engine.write(args.name, content, fork_of=args.parent, role=role, logprobs=args.logprobs,
                                   room_for=args.gen, sampling=sampling, constraint=constraint)
-        if args.gen:
-            return stream_generation(self.session, [branch], args.gen, sampling, constraint, logprobs=args.logprobs)
         if args.parent is not None:
             before = len(engine.branch(args.parent))   # a fork starts where its parent ends (write left it as it was)
         added = len(branch) - before
         action = "appended to" if extending else f"forked from {args.parent}" if args.parent is not None else "created"
-        # Only with --logprobs: reading them walks the branch's whole path.
-        scored = [lp for lp in engine.logprobs(branch)[before:] if lp is not None] if args.logprobs else []
-        return Branches(f"{action} {args.name}" if added or not extending else f"{args.name} unchanged",
-                        (branch.name,), (len(branch),), engine.num_free_blocks,
-                        sum(scored) / len(scored) if scored else None)
+        return branch, before, f"{action} {args.name}" if added or not extending else f"{args.name} unchanged"
+
+    def _remember(self, name: str, written: CellWrite) -> None:
+        """What this cell wrote to the branch, as it leaves it (for a re-run of the cell: rerun.py)."""
+        engine = self.session.engine
+        if engine is not None and not engine.closed and name in engine.branches:
+            self.session.cell_writes[name] = replace(written, tokens=tuple(engine.branch(name).tokens))
 
     # ---- %fork ----------------------------------------------------------------------------------------
     @magic_arguments()

@@ -1,13 +1,15 @@
 """Streaming a generation into the cell's output: one line per branch, updated in place, with a progress bar.
 
-The view listens to the engine's DecodeStep events and redraws through one display handle, at most
-every `min_interval_s`, so a long generation over many branches does not flood the front end. When
-the generation ends the view collapses to a one-line summary; the full texts are the magic's result.
+The view listens to the engine's DecodeStep events (or, while the kernel's server decodes, is fed the server's
+updates: server_gen.py) and redraws through one display handle, at most every `min_interval_s`, so a long
+generation over many branches does not flood the front end. When the generation ends the view collapses to a
+one-line summary; the full texts are the magic's result.
 """
 from __future__ import annotations
 
 import html
 import time
+from typing import Iterable
 
 from IPython.display import display
 
@@ -37,12 +39,15 @@ class LiveGeneration:
         self.handle = display(self, display_id=True)
 
     def __call__(self, event) -> None:
-        if not isinstance(event, DecodeStep):
-            return
-        for name, token in zip(event.branches, event.tokens):
+        if isinstance(event, DecodeStep):
+            self.record(dict(zip(event.branches, event.tokens)), event.finished, event.step + 1)
+
+    def record(self, tokens: dict[str, int], finished: Iterable[str], steps: int) -> None:
+        """One step's new token per branch (by name), the branches that stopped early at it, the steps so far."""
+        for name, token in tokens.items():
             self.tokens[name].append(token)
-        self.finished.update(event.finished)
-        self.steps = event.step + 1
+        self.finished.update(finished)
+        self.steps = steps
         self.seconds = time.perf_counter() - self.started
         if time.perf_counter() - self._last_redraw >= self.min_interval_s:
             self._redraw()

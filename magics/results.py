@@ -92,6 +92,40 @@ class AutosaveSet(PrettyByRepr):
 
 
 @dataclass(frozen=True, repr=False)
+class Serving(PrettyByRepr):
+    """%dendrite serve: where the server listens, and how to call it."""
+    url: str             # the base URL clients use (http://host:port/v1)
+    model: str           # the name /v1/models lists
+    api_key_set: bool    # whether requests must send the key
+    replaced: str | None = None  # the URL of the server it stopped first (--replace), if any
+
+    def __repr__(self) -> str:
+        key = "YOUR_KEY" if self.api_key_set else "unused"
+        before = f"stopped the server at {self.replaced}\n" if self.replaced else ""
+        return (f"{before}serving this session's engine at {self.url} (the OpenAI API: /models, /completions, "
+                f"/chat/completions, /responses)\n"
+                f"  from openai import OpenAI\n"
+                f"  client = OpenAI(base_url={self.url!r}, api_key={key!r})\n"
+                f"  client.chat.completions.create(model={self.model!r}, "
+                f"messages=[{{'role': 'user', 'content': 'Hi!'}}])\n"
+                f"Each response is a branch named after its id: %tree shows it, %fork, %show, %gen and %prune take "
+                f"it; %gen joins the server's batch. Stop it with %dendrite serve stop.")
+
+
+@dataclass(frozen=True, repr=False)
+class ServerStopped(PrettyByRepr):
+    url: str | None        # the server that was stopped; None when none ran
+    responses_kept: int    # responses it kept, whose branches stay in the tree
+
+    def __repr__(self) -> str:
+        if self.url is None:
+            return "no server was running"
+        kept = (f"; the branches of its {counted(self.responses_kept, 'kept response')} stay in the tree"
+                if self.responses_kept else "")
+        return f"stopped the server at {self.url}{kept}"
+
+
+@dataclass(frozen=True, repr=False)
 class Branches(PrettyByRepr):
     """Branches a magic created or extended; iterate for their names."""
     action: str
@@ -99,6 +133,8 @@ class Branches(PrettyByRepr):
     num_tokens: tuple[int, ...]
     free_blocks: int
     text_logprob: float | None = None  # %%branch --logprobs: the appended text's mean log-probability
+    reused_tokens: int | None = None     # a re-run %%branch: tokens of its text the old text gave (no forward)
+    prefilled_tokens: int | None = None  # ... and those prefilled, from the first changed one on
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -124,6 +160,7 @@ class Generated(PrettyByRepr):
     interrupted: bool = False
     constraint: str | None = None
     logprobs: tuple[tuple[float, ...], ...] | None = None  # each new token's, with %gen --logprobs
+    note: str | None = None  # what the cell did before generating (a re-run %%branch: what it reused)
 
     def __getitem__(self, name: str) -> str:
         if name not in self.names:
@@ -160,7 +197,7 @@ class Generated(PrettyByRepr):
         lines = [f"{name:>{width}} │ " + (f"{means[name]:12.3f} │ " if means else "") + one_line(text)
                  for name, text in self.items()]
         header = [f"{'':>{width}} │ mean logprob │ new text"] if means else []
-        return "\n".join([self._status(), *header, *lines])
+        return "\n".join([*([self.note] if self.note else []), self._status(), *header, *lines])
 
     def _repr_html_(self) -> str:
         means = self.mean_logprobs() if self.logprobs is not None else None
@@ -168,7 +205,7 @@ class Generated(PrettyByRepr):
                  f"<span style='white-space:pre-wrap'>{html.escape(text)}</span>"]
                 for name, text, tokens in zip(self.names, self.texts, self.tokens)]
         header = ["branch", "tokens", *(["mean log-prob"] if means else []), "new text"]
-        return table_html(header, rows, self._status())
+        return table_html(header, rows, f"{self.note}. {self._status()}" if self.note else self._status())
 
 
 @dataclass(frozen=True, repr=False)

@@ -2,10 +2,12 @@
 
 A session outlives cells; magics reach it through `current_session()`. Loading a second model
 closes the first engine (its weights and KV cache are freed at once, even if a notebook variable
-still refers to it), so a kernel never holds two models by accident.
+still refers to it), so a kernel never holds two models by accident. A server the session runs
+(`%dendrite serve`) is stopped first, and when the kernel exits.
 """
 from __future__ import annotations
 
+import atexit
 import fnmatch
 import gc
 import warnings
@@ -19,6 +21,9 @@ from IPython.core.magic import Magics
 
 from dendrite_nb import Branch, Engine, StepHistory
 from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView
+
+from .rerun import CellWrite
+from .serving import KernelServer
 
 GLOB_CHARACTERS = "*?["
 
@@ -45,6 +50,9 @@ class Session:
         self._selection_link = None
         self.cell_serial = 0                     # counts cells (pre_run_cell), so autosave counts cells, not magics
         self.autosave: Autosave | None = None
+        self.server: KernelServer | None = None  # %dendrite serve's, while it runs
+        self._stops_server_at_exit = False
+        self.cell_writes: dict[str, CellWrite] = {}  # per branch: what the last %%branch cell wrote to it
 
     # ---- autosave ------------------------------------------------------------------------------
     def generated(self) -> None:
@@ -78,6 +86,8 @@ class Session:
         except UsageError:
             engine.close()
             raise
+        self.stop_server()
+        self.cell_writes.clear()
         old = self.engine
         if old is not None:
             self.close_views()
@@ -94,6 +104,33 @@ class Session:
         if self.engine is not None and not replace:
             raise UsageError(f"a model is already loaded ({self.source}); add --replace to close it and load "
                              f"another (its branches will be gone), or keep working with it.")
+
+    # ---- the server ---------------------------------------------------------------------------------
+    def start_server(self, host: str, port: int, api_key: str | None, replace: bool) -> KernelServer:
+        """Serve the session's engine (KernelServer); with replace, the running server is stopped first."""
+        engine = self.require_engine()
+        running = self.running_server()
+        if running is not None and not replace:
+            raise UsageError(f"a server is running already, at {running.url}; stop it first (%dendrite serve stop) "
+                             f"or add --replace to stop it and start this one.")
+        self.stop_server()
+        self.server = KernelServer(engine, host, port, api_key)
+        if not self._stops_server_at_exit:   # a kernel that shuts down closes the port and the streams in flight
+            atexit.register(self.stop_server)
+            self._stops_server_at_exit = True
+        return self.server
+
+    def running_server(self) -> KernelServer | None:
+        """The session's server, if it runs."""
+        server = self.server
+        return server if server is not None and server.running else None
+
+    def stop_server(self) -> KernelServer | None:
+        """Stop the session's server, if any; returns it (stopped)."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+        return server
 
     # ---- live views -------------------------------------------------------------------------------
     # One of each per engine: `%tree` run twice shows two views of one model, not two listeners.

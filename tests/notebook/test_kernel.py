@@ -1,74 +1,22 @@
 """The magics in a real kernel, driven over ZeroMQ by jupyter_client as JupyterLab drives them:
 execute_requests that carry cell metadata, and Kernel > Interrupt in the middle of a generation."""
-import queue
 import signal
 import time
 
 import pytest
 
+from tests.support.kernel_client import TIMEOUT_S, execute, running_kernel, text_of
+
 jupyter_client = pytest.importorskip("jupyter_client")
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
           "additionalProperties": False}
-TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    manager = jupyter_client.KernelManager(kernel_name="python3")
-    manager.start_kernel()
-    client = manager.client()
-    client.start_channels()
-    client.wait_for_ready(timeout=TIMEOUT_S)
-    try:
+    with running_kernel() as (manager, client):
         yield manager, client
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
-
-
-def execute(client, code, metadata=None, on_first_display=None):
-    """Send one execute_request (with JupyterLab-style cell metadata) and collect its iopub output."""
-    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
-               "allow_stdin": False, "stop_on_error": True}
-    message = client.session.msg("execute_request", content, metadata=metadata or {})
-    client.shell_channel.send(message)
-    msg_id = message["header"]["msg_id"]
-    outputs, shown = [], False
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            msg = client.get_iopub_msg(timeout=1)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind = msg["msg_type"]
-        if kind == "status" and msg["content"]["execution_state"] == "idle":
-            break
-        if kind in ("stream", "display_data", "execute_result", "error", "update_display_data"):
-            outputs.append((kind, msg["content"]))
-        if kind == "display_data" and on_first_display and not shown:
-            shown = True
-            on_first_display()
-    # wait_for_ready leaves its own kernel_info_reply on the shell channel when the kernel answered the probe
-    # more than once (a slow start): skip replies to other requests instead of taking one as this cell's.
-    reply = client.get_shell_msg(timeout=TIMEOUT_S)
-    while reply["parent_header"].get("msg_id") != msg_id:
-        reply = client.get_shell_msg(timeout=TIMEOUT_S)
-    return reply["content"], outputs
-
-
-def text_of(outputs):
-    parts = []
-    for kind, content in outputs:
-        if kind == "stream":
-            parts.append(content["text"])
-        elif kind in ("display_data", "execute_result", "update_display_data"):
-            parts.append(content["data"].get("text/plain", ""))
-        elif kind == "error":
-            parts.append(f"{content['ename']}: {content['evalue']}")
-    return "\n".join(parts)
 
 
 @pytest.fixture(scope="module")
@@ -162,20 +110,12 @@ def test_a_session_saved_in_one_kernel_continues_exactly_in_a_new_one(checkpoint
     load = f"%load_ext dendrite_nb\n%dendrite load {checkpoint()} --num-blocks 64 --block-size 4"
     saved, after_restore = tmp_path / "session.dendrite", tmp_path / "restored.pt"
     def run_in_new_kernel(cells, before_shutdown=None):
-        manager = jupyter_client.KernelManager(kernel_name="python3")
-        manager.start_kernel()
-        client = manager.client()
-        client.start_channels()
-        try:
-            client.wait_for_ready(timeout=TIMEOUT_S)
+        with running_kernel() as (manager, client):
             for code in cells:
                 reply, outputs = execute(client, code)
                 assert reply["status"] == "ok", text_of(outputs)
             if before_shutdown:
                 before_shutdown(manager)
-        finally:
-            client.stop_channels()
-            manager.shutdown_kernel(now=True)
 
     def kill(manager):  # SIGKILL: the process dies at once, nothing but the file survives
         manager.signal_kernel(signal.SIGKILL)

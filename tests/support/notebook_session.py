@@ -5,11 +5,12 @@ PROMPT = "The river is wide and cold. First idea:"   # the notebook tests' `ip` 
 
 
 def install_in_session(engine, source="test"):
-    """Close the notebook session's engine (and its views), then make `engine` the session's, as a fresh kernel
-    would hold it: no autosave."""
+    """Stop the notebook session's server, close its engine (and its views), then make `engine` the session's, as a
+    fresh kernel would hold it: no autosave."""
     from dendrite_nb.magics import current_session
 
     session = current_session()
+    session.stop_server()
     if session.engine is not None:
         session.close_views()
         session.engine.close()
@@ -24,3 +25,14 @@ def magic(ip, line, cell=None):
     with capture_output() as captured:
         result = ip.run_cell_magic(name, rest, cell) if cell is not None else ip.run_line_magic(name, rest)
     return result, captured
+
+
+class FakeKernel:
+    """What ipykernel offers the magics: the execute_request being handled, with the cell's metadata (JupyterLab
+    sends the cell's id there as "cellId")."""
+
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+    def get_parent(self, channel="shell"):
+        return {"metadata": self.metadata, "content": {}}
