@@ -373,6 +373,18 @@ class Table:
             lines.append(text.rstrip())
         return "\n".join(lines)
 
+    def markdown(self) -> str:
+        """The table as markdown (for REPORT.md); an unavailable row puts its reason after its labels."""
+        lines = [f"| {' | '.join(c.header for c in self.columns)} |", f"|{'---|' * len(self.columns)}"]
+        for row in self.rows:
+            if "unavailable" in row:
+                labels = [_cell(row.get(c.key), c.fmt) for c in self.columns if c.label]
+                cells = labels + [f"unavailable: {row['unavailable']}"] + [""] * (len(self.columns) - len(labels) - 1)
+            else:
+                cells = [_cell(row.get(c.key), c.fmt) for c in self.columns]
+            lines.append(f"| {' | '.join(cells)} |")
+        return "\n".join(lines)
+
 
 def _cell(value: Any, fmt: str) -> str:
     if value is None:
