@@ -300,6 +300,13 @@ class Engine:
         return branch
 
     # ---- constraints ------------------------------------------------------------------------------
+    def parse_constraint(self, spec: dict[str, Any] | Constraint | None) -> Constraint | None:
+        """A constraint spec checked as generate() checks it: its grammar compiled and started under this
+        engine's tokenizer, once (generate and constrain reuse that compile). Raises ConstraintError; changes
+        nothing, and is safe from any thread (a server's request handlers check specs while its engine thread
+        decodes)."""
+        return self._grammars.parse(spec)
+
     @engine_call
     def constrain(self, branch: BranchRef, spec: dict[str, Any] | Constraint | None) -> Constraint | None:
         """Decode `branch` under a constraint from now on ({"json_schema": ...}, {"regex": ...},

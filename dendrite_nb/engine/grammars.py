@@ -8,6 +8,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+import threading
+
 import torch
 
 from ..constraints import Constraint, parse_constraint
@@ -24,6 +26,7 @@ class Grammars:
         # inputs: whose eos_token_ids end a grammar's text, read when llguidance loads
         self.tokenizer, self.vocab_size, self.inputs, self.journal = tokenizer, vocab_size, inputs, journal
         self.guidance = None   # llguidance state, built by the first constraint
+        self._making = threading.Lock()
 
     def parse(self, spec: dict[str, Any] | Constraint | None) -> Constraint | None:
         """parse_constraint(spec), its llguidance check made by starting the grammar under this engine's
@@ -39,7 +42,9 @@ class Grammars:
         if self.guidance is None:
             from ..guidance import Guidance
 
-            self.guidance = Guidance(self.tokenizer, self.vocab_size, self.inputs.eos_token_ids)
+            with self._making:   # Engine.parse_constraint may start one from another thread
+                if self.guidance is None:
+                    self.guidance = Guidance(self.tokenizer, self.vocab_size, self.inputs.eos_token_ids)
         return self.guidance.matcher(constraint)
 
     def attach(self, branches: list[Branch], constraint: Constraint) -> None:

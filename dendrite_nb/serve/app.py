@@ -180,7 +180,7 @@ def make_app(state: ServerState) -> Starlette:
                                                  choices=results, usage=_usage(info, choices)))
 
     async def chat_completions(request: Request) -> Response:
-        parsed = protocol.parse_chat_request(protocol.read_json(await request.body()))
+        parsed = protocol.parse_chat_request(protocol.read_json(await request.body()), state.engine.parse_constraint)
         engine = state.engine
         count = _chat_prompt_tokens(engine, parsed.messages, parsed.parent)
         check_prompt_fits(engine, count, parsed.max_new_tokens, "messages")
@@ -200,7 +200,8 @@ def make_app(state: ServerState) -> Starlette:
                                                       created=created, choices=results, usage=_usage(info, choices)))
 
     async def responses(request: Request) -> Response:
-        parsed = protocol.parse_responses_request(protocol.read_json(await request.body()))
+        parsed = protocol.parse_responses_request(protocol.read_json(await request.body()),
+                                                  state.engine.parse_constraint)
         engine = state.engine
         messages = ((protocol.Message("system", parsed.instructions),) if parsed.instructions else ()) + parsed.messages
         count = _chat_prompt_tokens(engine, messages, parsed.previous_response_id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from ..constraints import parse_constraint
 from ..errors import ConstraintError
@@ -103,7 +103,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         include_usage=_include_usage(wire_body), parent=wire_body.parent)
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: Any, check: Callable[[dict[str, Any]], Any] = parse_constraint) -> ChatRequest:
+    """check: how a structured output's spec is checked (the server passes Engine.parse_constraint, which compiles
+    it once under the model's tokenizer for the generation to reuse)."""
     wire_body = wire.validate_body(wire.ChatBody, body)
     budgets = (wire_body.max_tokens, wire_body.max_completion_tokens)
     if None not in budgets and budgets[0] != budgets[1]:
@@ -118,11 +120,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
         n=wire_body.n, max_new_tokens=wire_body.max_completion_tokens or wire_body.max_tokens,
         sampling=_sampling(wire_body), logprobs=bool(wire_body.logprobs), top_logprobs=wire_body.top_logprobs or 0,
         stream=wire_body.stream, include_usage=_include_usage(wire_body),
-        constraint_spec=_chat_constraint(wire_body.response_format, wire_body.schema_options),
+        constraint_spec=_chat_constraint(wire_body.response_format, wire_body.schema_options, check),
         parent=wire_body.parent)
 
 
-def parse_responses_request(body: Any) -> ResponsesRequest:
+def parse_responses_request(body: Any, check: Callable[[dict[str, Any]], Any] = parse_constraint) -> ResponsesRequest:
+    """check: as parse_chat_request's."""
     wire_body = wire.validate_body(wire.ResponsesBody, body)
     if isinstance(wire_body.input, str):
         messages = (Message("user", wire_body.input),)
@@ -132,7 +135,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     return ResponsesRequest(
         model=wire_body.model, instructions=wire_body.instructions, messages=messages,
         previous_response_id=wire_body.previous_response_id, max_new_tokens=wire_body.max_output_tokens,
-        sampling=_sampling(wire_body), stream=wire_body.stream, constraint_spec=_responses_constraint(text_format),
+        sampling=_sampling(wire_body), stream=wire_body.stream, constraint_spec=_responses_constraint(text_format, check),
         text_format=(text_format.model_dump(by_alias=True, exclude_none=True) if text_format is not None
                      else {"type": "text"}),
         store=wire_body.store)
@@ -179,8 +182,8 @@ def _include_usage(body: Any) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _chat_constraint(response_format: wire.ResponseFormat | None,
-                     options: wire.SchemaOptions | None) -> dict[str, Any] | None:
+def _chat_constraint(response_format: wire.ResponseFormat | None, options: wire.SchemaOptions | None,
+                     check: Callable[[dict[str, Any]], Any]) -> dict[str, Any] | None:
     kind = "text" if response_format is None else response_format.type
     if response_format is not None and kind != "json_schema" and response_format.json_schema is not None:
         raise APIError(f"response_format.json_schema goes only with type \"json_schema\", and the type is {kind!r}.",
@@ -196,10 +199,11 @@ def _chat_constraint(response_format: wire.ResponseFormat | None,
                            code="invalid_value")
         return None
     schema = JSON_OBJECT_SCHEMA if kind == "json_object" else response_format.json_schema.schema_
-    return _checked_spec(schema, options, "response_format.json_schema.schema")
+    return _checked_spec(schema, options, "response_format.json_schema.schema", check)
 
 
-def _responses_constraint(text_format: wire.TextFormat | None) -> dict[str, Any] | None:
+def _responses_constraint(text_format: wire.TextFormat | None,
+                          check: Callable[[dict[str, Any]], Any]) -> dict[str, Any] | None:
     if text_format is None or text_format.type == "text":
         extra = text_format is not None and _json_schema_fields(text_format)
         if extra:
@@ -211,12 +215,12 @@ def _responses_constraint(text_format: wire.TextFormat | None) -> dict[str, Any]
         if extra:
             raise APIError(f"text.format.{extra[0]} goes only with type \"json_schema\", and the type is "
                            f"\"json_object\".", param=f"text.format.{extra[0]}", code="invalid_value")
-        return _checked_spec(JSON_OBJECT_SCHEMA, None, "text.format")
+        return _checked_spec(JSON_OBJECT_SCHEMA, None, "text.format", check)
     for field, value in (("name", text_format.name), ("schema", text_format.schema_)):
         if value is None:
             raise APIError(f'text.format.{field} is required with type "json_schema".', param=f"text.format.{field}",
                            code="missing_required_parameter")
-    return _checked_spec(text_format.schema_, None, "text.format.schema")
+    return _checked_spec(text_format.schema_, None, "text.format.schema", check)
 
 
 def _json_schema_fields(text_format: wire.TextFormat) -> list[str]:
@@ -225,14 +229,15 @@ def _json_schema_fields(text_format: wire.TextFormat) -> list[str]:
             if value is not None]
 
 
-def _checked_spec(schema: dict[str, Any], options: wire.SchemaOptions | None, param: str) -> dict[str, Any]:
+def _checked_spec(schema: dict[str, Any], options: wire.SchemaOptions | None, param: str,
+                  check: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
     """The constraint spec for Engine.generate, checked by the engine's own parse_constraint (llguidance
     compiles it), so that a schema the engine cannot enforce is a 400 now rather than a failure mid-stream."""
     spec: dict[str, Any] = {"json_schema": schema}
     if options is not None:
         spec.update(options.model_dump(exclude_none=True))
     try:
-        parse_constraint(spec)
+        check(spec)
     except ConstraintError as error:
         raise APIError(f"{param}: {error}", param=param, code="invalid_schema") from None
     return spec

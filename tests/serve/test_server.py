@@ -250,3 +250,18 @@ def test_a_seed_gives_the_same_choices_again(client):
     first = chat(client, max_tokens=10, n=2, temperature=1.0, seed=11)
     again = chat(client, max_tokens=10, n=2, temperature=1.0, seed=11)
     assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+
+
+def test_a_new_schema_compiles_once_for_its_request(client, monkeypatch):
+    import llguidance
+
+    from tests.engine.test_constraint_options import CountingMatcher
+
+    counting = CountingMatcher(llguidance.LLMatcher)
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    schema = {"title": "compiled once, by the server", "type": "object",
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    reply = chat(client, max_tokens=16, response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "n", "schema": schema}})
+    assert json.loads(reply.choices[0].message.content)["n"] in range(10)
+    assert len(counting.compiles) == 1   # checked by the handler, then started for the request: one compile
