@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         started = time.perf_counter()
         engines[backend] = engine
+        # Each scenario is its own tree of the shapes it names: their prefixes (the same ids) are not shared.
+        engine.prefix_reuse = False
         trees[backend] = [build_tree(engine, s, config.vocab_size) for s in scenarios]
         log(f"{backend}: trees built in {time.perf_counter() - started:.1f} s")
 

@@ -74,54 +74,15 @@ def engine_call(method: Method) -> Method:
         calls: EngineCalls = self._calls
         with calls.lock:
             if calls.depth:
-                return _nested(self, calls, method, name, args, kwargs)
-            return _outermost(self, calls, method, name, args, kwargs)
+                if name in NOT_NESTED:
+                    raise DendriteError(f"{name}() cannot run while {calls.running}() is running (from a listener, "
+                                        f"say); call it after {calls.running}() returns.")
+                with _Nested(self, calls):
+                    return method(self, *args, **kwargs)
+            with _Outermost(self, calls, name):
+                return method(self, *args, **kwargs)
 
     return call  # type: ignore[return-value]
-
-
-def _outermost(engine: Any, calls: EngineCalls, method: Callable, name: str, args: tuple, kwargs: dict) -> Any:
-    journal = calls.journal
-    journal.commit()   # changes made outside any call (a test driving the tree by hand) are not ours to undo
-    with DeferredInterrupt() as interrupt:
-        calls.depth, calls.running, calls.interrupt = 1, name, interrupt
-        try:
-            result = method(engine, *args, **kwargs)
-        except BaseException:
-            journal.rollback()
-            calls.events.clear()
-            raise
-        finally:
-            calls.depth, calls.running, calls.interrupt = 0, None, None
-        journal.commit()
-    events, calls.events = calls.events, []
-    for event in events:
-        engine._emit(event)
-    if interrupt.pending:   # Ctrl-C during a call that had no safe point to stop at: it is done, now stop
-        raise KeyboardInterrupt
-    return result
-
-
-def _nested(engine: Any, calls: EngineCalls, method: Callable, name: str, args: tuple, kwargs: dict) -> Any:
-    if name in NOT_NESTED:
-        raise DendriteError(f"{name}() cannot run while {calls.running}() is running (from a listener, say); "
-                            f"call it after {calls.running}() returns.")
-    mark, queued = calls.journal.mark(), len(calls.events)
-    calls.depth += 1
-    try:
-        result = method(engine, *args, **kwargs)
-    except BaseException:
-        calls.journal.rollback(mark)
-        del calls.events[queued:]
-        raise
-    finally:
-        calls.depth -= 1
-    if calls.listening:
-        events = calls.events[queued:]
-        del calls.events[queued:]
-        for event in events:
-            calls.deliver(engine._emit, event)
-    return result
 
 
 @contextlib.contextmanager
@@ -130,33 +91,73 @@ def atomic_calls(engine: Any) -> Iterator[None]:
     nothing, Ctrl-C at safe points, events after commit). generate() is not one of them (it commits each step)."""
     calls: EngineCalls = engine._calls
     with calls.lock:
-        if calls.depth:   # inside a call already: a nested part of it
-            mark, queued = calls.journal.mark(), len(calls.events)
-            calls.depth += 1
-            try:
-                yield
-            except BaseException:
-                calls.journal.rollback(mark)
-                del calls.events[queued:]
-                raise
-            finally:
-                calls.depth -= 1
-            return
-        journal = calls.journal
-        journal.commit()
-        with DeferredInterrupt() as interrupt:
-            calls.depth, calls.running, calls.interrupt = 1, "atomic", interrupt
-            try:
-                yield
-            except BaseException:
-                journal.rollback()
-                calls.events.clear()
-                raise
-            finally:
-                calls.depth, calls.running, calls.interrupt = 0, None, None
-            journal.commit()
+        with _Nested(engine, calls) if calls.depth else _Outermost(engine, calls, "atomic"):
+            yield
+
+
+class _Outermost:
+    """The scope of a call that no other call runs around: the journal is rolled back if it raises and committed
+    if it returns, Ctrl-C waits for its end (or a safe point inside it), and its events go out once it committed."""
+
+    __slots__ = ("engine", "calls", "name", "interrupt")
+
+    def __init__(self, engine: Any, calls: EngineCalls, name: str):
+        self.engine, self.calls, self.name = engine, calls, name
+
+    def __enter__(self) -> None:
+        calls = self.calls
+        calls.journal.commit()   # changes made outside any call (a test driving the tree by hand) are not ours to undo
+        self.interrupt = DeferredInterrupt().__enter__()
+        calls.depth, calls.running, calls.interrupt = 1, self.name, self.interrupt
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> bool:
+        calls, interrupt = self.calls, self.interrupt
+        try:
+            if kind is not None:
+                try:
+                    calls.journal.rollback()
+                    calls.events.clear()
+                finally:
+                    calls.depth, calls.running, calls.interrupt = 0, None, None
+                return False
+            calls.depth, calls.running, calls.interrupt = 0, None, None
+            calls.journal.commit()
+        finally:
+            interrupt.__exit__(None, None, None)
         events, calls.events = calls.events, []
         for event in events:
-            engine._emit(event)
-        if interrupt.pending:
+            self.engine._emit(event)
+        if interrupt.pending:   # Ctrl-C during a call that had no safe point to stop at: it is done, now stop
             raise KeyboardInterrupt
+        return False
+
+
+class _Nested:
+    """The scope of a call made inside another (by the engine itself, or by a listener): undone alone if it raises;
+    its events go out at once when a listener made it (the running call is at a committed point then)."""
+
+    __slots__ = ("engine", "calls", "mark", "queued")
+
+    def __init__(self, engine: Any, calls: EngineCalls):
+        self.engine, self.calls = engine, calls
+
+    def __enter__(self) -> None:
+        calls = self.calls
+        self.mark, self.queued = calls.journal.mark(), len(calls.events)
+        calls.depth += 1
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> bool:
+        calls, queued = self.calls, self.queued
+        try:
+            if kind is not None:
+                calls.journal.rollback(self.mark)
+                del calls.events[queued:]
+                return False
+        finally:
+            calls.depth -= 1
+        if calls.listening:
+            events = calls.events[queued:]
+            del calls.events[queued:]
+            for event in events:
+                calls.deliver(self.engine._emit, event)
+        return False

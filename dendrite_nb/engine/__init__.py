@@ -6,10 +6,11 @@
     build.py         weights, tokenizer and device-dependent sizes
     prefill.py       chunked prefill (after prefix reuse) and scoring of given tokens; PrefillReport
     rewind.py        a branch moved back to an earlier length
-    decode.py        DecodeLoop: one generate() call, step by step
+    decode.py        DecodeLoop: one generate() call, step by step (rows may join it: batch.py)
+    batch.py         DecodeBatch: continuous batching, rows joining and leaving between steps (Engine.batch())
     grammars.py      constrained decoding per branch
     preemption.py    parking branches' KV in host memory and making room for a step
-    conversation.py  the tokens one chat message adds to a branch
+    conversation.py  the tokens one chat message (or several: chat_many) adds to a branch
     closed.py        what stands in for the parts a closed engine let go of
 
 docs/architecture.md follows one generate() call through them.

@@ -1,6 +1,7 @@
 """The engine: one model, one KV pool and one branch tree for the life of a notebook kernel.
 
-(Over 500 lines: 38 public calls, each with its contract in its docstring; the work itself is in the parts.)
+(Over 700 lines: 51 public calls and properties, each with its contract in its docstring; the work itself is in the
+parts.)
 
 This file holds the public calls only: each checks its input (inputs.py), then hands the work to the part that
 owns it: the tree (kv/), prefill (prefill.py), the decode loop (decode.py), preemption (preemption.py), grammars

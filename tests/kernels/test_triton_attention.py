@@ -58,6 +58,7 @@ def test_segments_partition_each_context_and_share_nodes(min_shared):
 
 def test_chain_of_nodes_read_by_the_same_rows_is_one_segment():
     eng = Engine.from_random(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256), num_blocks=512, block_size=4)
+    eng.prefix_reuse = False   # the kids' equal appends stay three nodes (reuse would put the three on one)
     trunk = eng.new_branch("t", list(range(10)))
     keep = eng.fork(trunk, names=["keep", "other"])  # trunk's node is now frozen; keep grows a child node
     eng.append(keep[0], list(range(10, 40)))
