@@ -269,10 +269,12 @@ def _build(engine_type: type[SessionEngine], manifest: dict[str, Any], overrides
     source = manifest["source"]
     checkpoint = overrides.get("checkpoint") or source.get("checkpoint")
     try:
+        weights = source.get("weights")  # the quantized format the session ran, or None
         if checkpoint is not None:
-            return engine_type.from_pretrained(checkpoint, device=device, dtype=manifest["dtype"], **options)
+            return engine_type.from_pretrained(checkpoint, device=device, dtype=manifest["dtype"], weights=weights,
+                                               **options)
         return engine_type.from_random(source["hf_config"], device=device, dtype=manifest["dtype"],
-                                       weight_seed=source["weight_seed"], **options)
+                                       weight_seed=source["weight_seed"], weights=weights, **options)
     except (DendriteError, ValueError, TypeError, LookupError, RuntimeError, OSError, MemoryError) as error:
         moved = " If the model has moved, restore with checkpoint= pointing at it." if checkpoint is not None else ""
         raise SaveFileError(f"cannot rebuild the engine this session was saved from: {error}{moved}") from error

@@ -28,6 +28,7 @@ from .errors import DendriteError, SaveFileError
 from .kv.allocator import BlockAllocator
 from .kv.tree import BranchTree
 from .model.config import ModelConfig
+from .model.quantized_linear import WEIGHT_FORMATS
 from .sampling import SEED_LIMIT
 
 FORMAT = "dendrite-nb session"
@@ -177,12 +178,15 @@ def _model(model: Any) -> dict[str, int]:
 
 
 def _source(source: Any, dims: dict[str, int]) -> None:
+    if isinstance(source, dict) and "weights" in source and source["weights"] not in WEIGHT_FORMATS:
+        _bad("source.weights", f"one of {', '.join(WEIGHT_FORMATS)}", source["weights"])
     if isinstance(source, dict) and "checkpoint" in source:
-        path = _text(_keys(source, "source", ("checkpoint",))["checkpoint"], "source.checkpoint", empty=False)
+        path = _text(_keys(source, "source", ("checkpoint",), ("weights",))["checkpoint"], "source.checkpoint",
+                     empty=False)
         if "\x00" in path:
             _bad("source.checkpoint", "a path (no NUL character)", path)
         return
-    _keys(source, "source", ("hf_config", "weight_seed"))
+    _keys(source, "source", ("hf_config", "weight_seed"), ("weights",))
     _int(source["weight_seed"], "source.weight_seed", -(2**63), SEED_LIMIT - 1)
     hf_config = source["hf_config"]
     if not isinstance(hf_config, dict):

@@ -16,6 +16,7 @@ from ..kv import KVPool
 from ..model.config import ModelConfig
 from ..model.gguf import find_gguf, load_gguf
 from ..model.loader import load_model, random_model, read_config
+from ..model.quantized_linear import quantize_model
 from ..model.transformer import CausalLM
 from ..paths import user_path
 
@@ -27,27 +28,36 @@ CUDA_KV_FRACTION = 0.85  # of the memory free after the weights; the rest is for
 CUDA_INTEGRATED_KV_FRACTION = 0.5
 
 
-def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, Any, Path]:
-    """(model, tokenizer, the file or folder it came from) for an HF folder or a GGUF (Engine.from_pretrained)."""
+def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
+                    weights: str | None = None) -> tuple[CausalLM, Any, Path]:
+    """(model, tokenizer, the file or folder it came from) for an HF folder or a GGUF (Engine.from_pretrained);
+    weights: a format of model/quantized_linear.py, or None."""
     from transformers import AutoTokenizer
 
     folder = user_path(path)
     gguf_file = find_gguf(folder)
     if gguf_file is not None:
         model, tokenizer = load_gguf(gguf_file, device, dtype)
-        return model, tokenizer, gguf_file
+        return _quantized(model, weights), tokenizer, gguf_file
     config, _ = read_config(folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"cannot load a tokenizer from {str(folder)!r} ({error}); "
                               f"the folder needs tokenizer.json and tokenizer_config.json.") from error
-    return load_model(folder, config, device, dtype), tokenizer, folder
+    return _quantized(load_model(folder, config, device, dtype), weights), tokenizer, folder
 
 
-def random_weights(hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, weight_seed: int) -> CausalLM:
+def random_weights(hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, weight_seed: int,
+                   weights: str | None = None) -> CausalLM:
     """A model with random weights for an HF config dict (Engine.from_random)."""
-    return random_model(ModelConfig.from_hf(hf_config), device, dtype, weight_seed)
+    return _quantized(random_model(ModelConfig.from_hf(hf_config), device, dtype, weight_seed), weights)
+
+
+def _quantized(model: CausalLM, weights: str | None) -> CausalLM:
+    if weights is not None:
+        quantize_model(model, weights)
+    return model
 
 
 def default_num_blocks(config: ModelConfig, kv_dtype: torch.dtype, device: torch.device, block_size: int) -> int:

@@ -29,6 +29,7 @@ from ..events import Event, Listener, Subscription, TreeChanged
 from ..forward import ForwardRunner
 from ..kv import BranchTree, KVPool
 from ..kv.journal import restore_attrs, restore_key
+from ..model.quantized_linear import check_weights
 from ..model.transformer import CausalLM
 from ..sampling import SamplingParams, check_seed, derive_seed
 from ..snapshot import block_snapshot, tree_snapshot
@@ -96,11 +97,15 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                        **options: Any) -> Engine:
+                        weights: str | None = None, **options: Any) -> Engine:
         """Load an HF folder (config.json, safetensors weights, single or sharded, and the tokenizer), or a GGUF:
         a `.gguf` file, or a folder holding exactly one `.gguf` (a folder with config.json and safetensors
         weights loads as HF, whatever else it holds). A GGUF's weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are
         dequantized into `dtype`; its tokenizer and chat template come from its metadata (model/gguf.py).
+
+        weights: None keeps the weights in `dtype`; "int8" or "int4" (CPU) or "fp8" (CUDA, Ada/Hopper and newer)
+        stores the projections and the LM head quantized, read by weight-only products, while activations stay
+        in `dtype` (model/quantized_linear.py). A quantized GGUF's 4-bit groups map onto int4's.
 
         Options: kv_dtype ("fp8" for an e4m3 cache), block_size (tokens per KV block), num_blocks (pool
         size; default fits the device), attention ("torch", "torch-tree", "triton", "flashinfer" or "auto"), cuda_graphs
@@ -109,27 +114,31 @@ class Engine:
         prefix_reuse (default on: a prompt's tokens the tree holds already are not prefilled again), prefix_cache
         (default off: keep what pruned branches held, for later prompts to reuse; see Engine.prefix_cache).
         """
-        settings = cls._settings_before_loading(device, options)
-        model, tokenizer, origin = build.load_checkpoint(path, settings.device, parse_dtype(dtype))
+        settings = cls._settings_before_loading(device, options, weights)
+        model, tokenizer, origin = build.load_checkpoint(path, settings.device, parse_dtype(dtype), weights)
         engine = cls(model, tokenizer, device=settings.device, **options)
-        engine.source = {"checkpoint": str(origin.resolve())}
+        engine.source = {"checkpoint": str(origin.resolve()), **({"weights": weights} if weights else {})}
         return engine
 
     @classmethod
     def from_random(cls, hf_config: dict[str, Any], device: str = "cpu", dtype: str | torch.dtype = "float32",
-                    weight_seed: int = 0, **options: Any) -> Engine:
-        """Random weights for an HF config dict, built in memory; token ids only (no tokenizer)."""
-        settings = cls._settings_before_loading(device, options)
-        model = build.random_weights(hf_config, settings.device, parse_dtype(dtype), weight_seed)
+                    weight_seed: int = 0, weights: str | None = None, **options: Any) -> Engine:
+        """Random weights for an HF config dict, built in memory; token ids only (no tokenizer). weights: as
+        from_pretrained's."""
+        settings = cls._settings_before_loading(device, options, weights)
+        model = build.random_weights(hf_config, settings.device, parse_dtype(dtype), weight_seed, weights)
         engine = cls(model, None, device=settings.device, **options)
-        engine.source = {"hf_config": dict(hf_config), "weight_seed": weight_seed}
+        engine.source = {"hf_config": dict(hf_config), "weight_seed": weight_seed,
+                         **({"weights": weights} if weights else {})}
         return engine
 
     @staticmethod
-    def _settings_before_loading(device: Any, options: dict[str, Any]) -> EngineConfig:
+    def _settings_before_loading(device: Any, options: dict[str, Any], weights: str | None) -> EngineConfig:
         """The options checked before any weight loads (a bad one should not cost a minute of loading)."""
         EngineConfig.check_keywords(options)
-        return EngineConfig(device=device, **options)
+        settings = EngineConfig(device=device, **options)
+        check_weights(weights, settings.device)
+        return settings
 
     # ---- text ---------------------------------------------------------------------------------
     def encode(self, content: TokensLike, *, at_start: bool = False) -> list[int]:

@@ -13,11 +13,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .quantized_linear import QuantizedLinear
+
 MIN_ROWS, MAX_ROWS = 2, 64  # the decode batches this was measured over
 
 
 def dense(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x [rows, in_features] -> [rows, out_features], contiguous."""
+    if isinstance(layer, QuantizedLinear):  # its own products, chosen by device and rows
+        return layer(x)
     weight = layer.weight
     if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and MIN_ROWS <= x.shape[0] <= MAX_ROWS):

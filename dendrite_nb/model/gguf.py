@@ -37,6 +37,9 @@ _T = GGMLQuantizationType
 # rows are not a multiple of 256 (SmolLM2's 576, Qwen2.5-0.5B's 896).
 SUPPORTED_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
 _ARCH_ENUM = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
+# Quantized types above 4 bits: a file that stores a tensor this way (Q4_K_M keeps the LM head and some
+# projections in Q6_K or Q8_0) says it needs more than 4 bits, so weights="int4" keeps it in int8.
+ABOVE_4_BITS = (_T.Q8_0, _T.Q5_0, _T.Q5_1, _T.Q5_K, _T.Q6_K)
 
 
 class GGUFCheckpoint(NamedTuple):
@@ -134,6 +137,8 @@ def load_weights(checkpoint: GGUFCheckpoint, device: torch.device, dtype: torch.
         config={"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads})
     model = loader.empty_model(config, device, dtype)
     params = dict(model.named_parameters())
+    model.stored_above_4_bits = {name for tensor in checkpoint.reader.tensors if tensor.tensor_type in ABOVE_4_BITS
+                                 for name in plan.get(tensor.name, ())}
     file_bytes = checkpoint.path.stat().st_size
     # `disable` is passed only to silence small loads, so that TQDM_DISABLE still governs the big ones.
     quiet = {"disable": True} if file_bytes < loader.PROGRESS_MIN_BYTES else {}
