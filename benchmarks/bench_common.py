@@ -28,6 +28,7 @@ from dendrite_nb.config import DTYPES
 from dendrite_nb.kv import KVPool
 from dendrite_nb.model.config import ModelConfig
 from dendrite_nb.model.loader import random_model
+from dendrite_nb.model.quantized_linear import QuantizedLinear
 from dendrite_nb.model.transformer import CausalLM
 from dendrite_nb.testing import REAL_SHAPES, TINY_SHAPES
 
@@ -266,17 +267,23 @@ class ModelCosts:
 
 
 def model_costs(model: CausalLM, kv_dtype: torch.dtype) -> ModelCosts:
+    """Bytes and sizes a step's floor counts. Quantized weights (model/quantized_linear.py) count their own bytes
+    (integers and scales): a quantized LM head is a copy, so then even a tied embedding table is only indexed."""
     config = model.config
     embed = model.model.embed_tokens.weight
     unique = {id(p): p for p in model.parameters()}.values()
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    head_is_table = config.tie_word_embeddings and not isinstance(model.lm_head, QuantizedLinear)
     # An untied embedding table is only indexed (B rows); a tied one is read whole as the LM head.
-    weight_bytes = sum(p.numel() * p.element_size() for p in unique
-                       if p is not embed or config.tie_word_embeddings)
+    weight_bytes = sum(p.numel() * p.element_size() for p in unique if p is not embed or head_is_table)
+    weight_bytes += sum(m.weight_bytes() for m in quantized)
     layer_params = sum(p.numel() for p in model.model.layers.parameters())
+    layer_params += sum(m.in_features * m.out_features for m in model.model.layers.modules()
+                        if isinstance(m, QuantizedLinear))
     return ModelCosts(
         weight_bytes=weight_bytes,
         layer_params=layer_params,
-        head_params=model.lm_head.weight.numel(),
+        head_params=config.vocab_size * config.hidden_size,
         kv_bytes_per_token=KVPool.block_bytes(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                                               head_dim=config.head_dim, block_size=1, dtype=kv_dtype),  # fp8: + scales
         attention_flops_per_pair=4 * config.num_layers * config.num_heads * config.head_dim,

@@ -20,8 +20,10 @@ repeated to the batch, then the leaves' own tokens).
 One model per case is built once; each variant is an Engine over it, rebuilt only for its own KV pool.
 
     python benchmarks/decode_step.py [--cases a b] [--steps 20] [--warmup 1] [--no-hf] [--graphs-only] [--json PATH]
-                                     [--kv-dtype fp8] [--smoke]
+                                     [--kv-dtype fp8] [--weights fp8] [--smoke]
 
+--weights fp8 (int8, int4) runs every variant again after the model's own dtype, over the same weights quantized,
+each against its own floor (the quantized bytes).
 --kv-dtype fp8 runs the engines over an e4m3 cache (scales included in the floor's bytes); the transformers peer
 keeps its bf16 cache.
 """
@@ -36,6 +38,7 @@ import torch
 from bench_common import (Column, Report, Setup, build_model, engine_variant, fits_in_memory, free_memory, hf_twin,
                           log, measure_floors, model_costs, parser, random_ids, setup as make_setup, time_calls)
 from dendrite_nb import SamplingParams
+from dendrite_nb.model.quantized_linear import quantize_model
 
 BLOCK_SIZE = 16
 CALLS = 3  # timed generate(leaves, steps) calls per variant
@@ -137,6 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
                            help="only the variants with CUDA graphs (the eager ones take minutes at 8B)")
     arguments.add_argument("--kv-dtype", choices=["fp8"], default=None, help="the engines' KV cache dtype "
                            "(default: the model's, bf16)")
+    arguments.add_argument("--weights", choices=["fp8", "int8", "int4"], default=None,
+                           help="after the model's own dtype, every variant again over the same weights quantized "
+                                "(Engine weights=...), each against its own floor (the quantized bytes)")
     arguments.add_argument("--logprobs", action="store_true",
                            help="the engines keep every sampled token's log-probability (generate(..., logprobs=True))")
     args = arguments.parse_args(argv)
@@ -149,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     table = report.table("decode step (step: median of {} generate(leaves, {}{}) calls / {}; 1-step call: median of {}; "
                          "floor = bytes read once / copy bandwidth, or FLOPs / matmul rate if larger)"
                          .format(CALLS, steps, ", logprobs=True" if args.logprobs else "", steps, steps),
-                         [Column("case", "case", label=True), Column("attention", "attention", label=True),
+                         [Column("case", "case", label=True), Column("weights", "weights", label=True),
+                          Column("attention", "attention", label=True),
                           Column("graphs", "graphs", label=True), Column("step_ms", "step ms", "{:.3f}"),
                           Column("floor_ms", "floor ms", "{:.3f}"), Column("x_floor", "x floor", "{:.2f}"),
                           Column("target", "target", label=True), Column("vs_hf", "HF / step", "{:.1f}x"),
@@ -160,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
         hf_config = setup.hf_config(case.shape)
         case_label = f"({key}) {setup.shape_name(case.shape)}"
         model = build_model(setup, hf_config)
-        costs = model_costs(model, torch.float8_e4m3fn if args.kv_dtype else setup.dtype)
+        kv_dtype = torch.float8_e4m3fn if args.kv_dtype else setup.dtype
+        costs = model_costs(model, kv_dtype)
         vocab = model.config.vocab_size
         prefix_ids = random_ids(case.prefix, vocab, seed=1)
         own_ids = random_ids(case.own, vocab, seed=2, rows=case.leaves) if case.leaves > 1 else []
@@ -170,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
         kv_bytes = costs.kv_bytes(case.prefix + case.leaves * own_mid)
         flops = case.leaves * costs.prefill_flops(1, context - 1)
         floor_s = floors.seconds(costs.weight_bytes + kv_bytes, flops)
+        dtype_name = str(setup.dtype).removeprefix("torch.")
         log(f"\n{case_label}, {case.describe()}{', fp8 KV' if args.kv_dtype else ''}: weights "
             f"{costs.weight_bytes / 1e9:.2f} GB + KV read once "
             f"{kv_bytes / 1e9:.3f} GB -> floor {floor_s * 1e3:.3f} ms "
@@ -186,42 +195,50 @@ def main(argv: list[str] | None = None) -> dict:
             free_memory(setup.device)   # the peer's cache, before the engines' pools
             if hf_times is not None:
                 hf_ms = statistics.median(hf_times) * 1e3
-        rows = []
-        for attention, graphs in [*VARIANTS, *((label, True) for label in BASELINE_ROWS)]:
-            if args.graphs_only and not graphs:
-                continue
-            label = {"case": case_label, "attention": attention,
-                     "graphs": {True: "on", False: "off", None: "off"}[graphs], "target": target}
-            baseline = BASELINE_ROWS.get(attention)
-            measured, reason = engine_step_seconds(model, setup, "triton" if baseline else attention, graphs, case,
-                                                   prefix_ids, own_ids, steps, warmup, backend_settings=baseline,
-                                                   kv_dtype=args.kv_dtype, logprobs=args.logprobs)
-            free_memory(setup.device)   # this variant's pool (and graphs), before the next one's
-            if measured is None:
-                log(f"  {attention:>10} graphs {label['graphs']:>3}: unavailable: {reason}")
-                table.add(**label, unavailable=reason)
-                continue
-            times, single = measured
-            step_ms = statistics.median(times) * 1e3
-            row = table.add(**label, step_ms=step_ms, floor_ms=floor_s * 1e3, x_floor=step_ms / (floor_s * 1e3),
-                            vs_hf=hf_ms / step_ms if hf_ms else None, min_ms=min(times) * 1e3,
-                            single_ms=statistics.median(single) * 1e3)
-            rows.append(row)
-            log(f"  {attention:>10} graphs {label['graphs']:>3}: {step_ms:8.3f} ms/step ({row['x_floor']:.2f}x floor); "
-                f"1-step call {row['single_ms']:.3f} ms")
-        hf_label = {"case": case_label, "attention": "transformers", "graphs": "off", "target": "peer"}
-        if hf_ms is None:
-            table.add(**hf_label, unavailable=hf_reason)
-            log(f"  transformers: unavailable: {hf_reason}")
-        else:
-            table.add(**hf_label, step_ms=hf_ms, floor_ms=floor_s * 1e3, x_floor=hf_ms / (floor_s * 1e3), vs_hf=1.0)
-            log(f"  transformers (DynamicCache): {hf_ms:8.3f} ms/step")
-        if rows:
-            best = min(rows, key=lambda r: r["step_ms"])
-            verdict = "met" if best["x_floor"] <= case.target else "NOT met"
-            report.note(f"({key}) best: {best['attention']} graphs {best['graphs']}, {best['step_ms']:.3f} ms = "
-                        f"{best['x_floor']:.2f}x floor (target {target}: {verdict})"
-                        + (f", {hf_ms / best['step_ms']:.1f}x faster than transformers" if hf_ms else ""))
+        for weights in (None, args.weights) if args.weights else (None,):
+            if weights is not None:  # the same weights, quantized: its own floor
+                quantize_model(model, weights)
+                costs = model_costs(model, kv_dtype)
+                floor_s = floors.seconds(costs.weight_bytes + kv_bytes, flops)
+                log(f"\n{case_label} with {weights} weights: {costs.weight_bytes / 1e9:.2f} GB -> floor "
+                    f"{floor_s * 1e3:.3f} ms")
+            rows = []
+            for attention, graphs in [*VARIANTS, *((label, True) for label in BASELINE_ROWS)]:
+                if args.graphs_only and not graphs:
+                    continue
+                label = {"case": case_label, "weights": weights or dtype_name, "attention": attention,
+                         "graphs": {True: "on", False: "off", None: "off"}[graphs], "target": target}
+                baseline = BASELINE_ROWS.get(attention)
+                measured, reason = engine_step_seconds(model, setup, "triton" if baseline else attention, graphs, case,
+                                                       prefix_ids, own_ids, steps, warmup, backend_settings=baseline,
+                                                       kv_dtype=args.kv_dtype, logprobs=args.logprobs)
+                free_memory(setup.device)   # this variant's pool (and graphs), before the next one's
+                if measured is None:
+                    log(f"  {attention:>10} graphs {label['graphs']:>3}: unavailable: {reason}")
+                    table.add(**label, unavailable=reason)
+                    continue
+                times, single = measured
+                step_ms = statistics.median(times) * 1e3
+                row = table.add(**label, step_ms=step_ms, floor_ms=floor_s * 1e3, x_floor=step_ms / (floor_s * 1e3),
+                                vs_hf=hf_ms / step_ms if hf_ms else None, min_ms=min(times) * 1e3,
+                                single_ms=statistics.median(single) * 1e3)
+                rows.append(row)
+                log(f"  {attention:>10} graphs {label['graphs']:>3}: {step_ms:8.3f} ms/step ({row['x_floor']:.2f}x floor); "
+                    f"1-step call {row['single_ms']:.3f} ms")
+            hf_label = {"case": case_label, "weights": dtype_name, "attention": "transformers", "graphs": "off",
+                        "target": "peer"}
+            if weights is None and hf_ms is None:  # the peer ran once, on the model's own dtype
+                table.add(**hf_label, unavailable=hf_reason)
+                log(f"  transformers: unavailable: {hf_reason}")
+            elif weights is None:
+                table.add(**hf_label, step_ms=hf_ms, floor_ms=floor_s * 1e3, x_floor=hf_ms / (floor_s * 1e3), vs_hf=1.0)
+                log(f"  transformers (DynamicCache): {hf_ms:8.3f} ms/step")
+            if rows:
+                best = min(rows, key=lambda r: r["step_ms"])
+                verdict = "met" if best["x_floor"] <= case.target else "NOT met"
+                report.note(f"({key}) {weights or dtype_name} best: {best['attention']} graphs {best['graphs']}, "
+                            f"{best['step_ms']:.3f} ms = {best['x_floor']:.2f}x floor (target {target}: {verdict})"
+                            + (f", {hf_ms / best['step_ms']:.1f}x faster than transformers" if hf_ms else ""))
         del model
         free_memory(setup.device)
     return report.finish(args.json)

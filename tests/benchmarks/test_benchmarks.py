@@ -66,7 +66,16 @@ def test_decode_step(run):
         skipped = [r for r in case_rows if r["attention"] in ("triton", "flashinfer")]
         assert len(skipped) == 4 and all(r["unavailable"] for r in skipped)
     assert "unavailable: " in printed
-    assert [line for line in payload["notes"] if line.startswith("(a) best: torch")]
+    assert [line for line in payload["notes"] if line.startswith("(a) float32 best: torch")]
+
+
+def test_decode_step_with_quantized_weights(run):
+    payload, _ = run("decode_step", "--cases", "b", "--no-hf", "--weights", "int8")
+    torch_rows = {r["weights"]: r for r in rows(payload) if r["attention"] == "torch"}
+    assert set(torch_rows) == {"float32", "int8"} and all(r["step_ms"] > 0 for r in torch_rows.values())
+    # int8 weights are a quarter of float32's bytes (plus scales): a lower floor for the same step.
+    assert torch_rows["int8"]["floor_ms"] < torch_rows["float32"]["floor_ms"]
+    assert [line for line in payload["notes"] if line.startswith("(b) int8 best: torch")]
 
 
 def test_decode_step_with_logprobs(run):
@@ -245,3 +254,15 @@ def test_cpu_decode_in_bfloat16_has_no_w_at_x_rows(run):
     assert payload["dtype"] == "bfloat16" and "bfloat16 (median" in printed
     assert {(r["leaves"], r["attention"], r["products"]) for r in rows(payload)} == {
         (n, attention, "F.linear") for n in ("1", "4") for attention in ("torch-tree", "torch", "transformers")}
+
+
+def test_batch_scaling(run):
+    payload, _ = run("batch_scaling")
+    by_leaves = {r["leaves"]: r for r in rows(payload)}
+    assert set(by_leaves) == {1, 4}
+    for row in by_leaves.values():
+        assert row["greedy_ms"] > 0 and row["sampled_ms"] > 0 and row["short_ms"] > 0 and row["floor_ms"] > 0
+        assert math.isclose(row["x_greedy"], row["sampled_ms"] / row["greedy_ms"], rel_tol=1e-9)
+    assert by_leaves[1]["x_one_leaf"] == 1.0
+    assert by_leaves[4]["floor_ms"] > by_leaves[1]["floor_ms"]   # four leaves' own KV on top of the same weights
+    assert len(payload["notes"]) >= 3
