@@ -44,6 +44,8 @@ def sampling_arguments(func):
         argument("--temperature", "-t", type=float, default=1.0, help="softmax temperature; 0 is greedy (default 1.0)"),
         argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)"),
         argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this mass (1: off)"),
+        argument("--min-p", type=float, default=0.0,
+                 help="drop tokens under this fraction of the most likely token's probability (0: off)"),
         argument("--repetition-penalty", type=float, default=1.0, help="divide logits of tokens already seen (HF style)"),
         argument("--seed", type=int, default=None, help="reseed each branch's sampler (derived per branch name)"),
         argument("--stop", action="append", default=[], help="stop a branch when its new text contains this (repeatable)"),
@@ -73,7 +75,7 @@ def engine_options(args) -> dict:
 
 
 # What sampling_arguments adds to a magic's arguments, by destination.
-SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "ignore_eos")
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos")
 
 
 def sampling_options_set(magic_func, args) -> list[str]:
@@ -84,6 +86,6 @@ def sampling_options_set(magic_func, args) -> list[str]:
 
 def sampling_from(args) -> SamplingParams:
     with user_errors():
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, stop=tuple(args.stop), seed=args.seed,
                               ignore_eos=args.ignore_eos)

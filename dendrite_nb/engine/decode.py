@@ -30,7 +30,7 @@ from ..forward import ForwardRunner, PlannedForward
 from ..kv import BranchTree
 from ..kv.journal import Journal
 from ..model.transformer import CausalLM
-from ..sampling import SamplingParams, sample, token_logprobs
+from ..sampling import SamplingParams, sample, sample_rows, token_logprobs
 from .branch_state import Branch
 from .grammars import Grammars, Masks
 from .inputs import Inputs
@@ -230,25 +230,9 @@ class DecodeLoop:
         generators = [self._generators[i] for i in rows]
         if uniform is not None:
             sampled = sample(logits, uniform.sampling, generators, histories)
-        else:
-            sampled = self._sample_groups(logits, settings, generators, histories)
+        else:  # rows that joined with their own settings: one launch on a GPU
+            sampled = sample_rows(logits, [s.sampling for s in settings], generators, histories)
         return sampled, token_logprobs(logits, sampled, normaliser) if keep else None, top
-
-    @staticmethod
-    def _sample_groups(logits: torch.Tensor, settings: list[RowSettings], generators: list,
-                       histories: list[list[int]] | None) -> torch.Tensor:
-        """Rows that joined with different sampling settings: each group of equal settings samples together."""
-        groups: dict[SamplingParams, list[int]] = {}
-        for index, row_settings in enumerate(settings):
-            groups.setdefault(row_settings.sampling, []).append(index)
-        if len(groups) == 1:
-            return sample(logits, settings[0].sampling, generators, histories)
-        sampled = torch.empty(len(settings), dtype=torch.long, device=logits.device)
-        for sampling, indices in groups.items():
-            where = torch.tensor(indices, device=logits.device)
-            sampled[where] = sample(logits.index_select(0, where), sampling, [generators[i] for i in indices],
-                                    [histories[i] for i in indices] if histories is not None else None)
-        return sampled
 
     def _launch(self, rows: list[int], planned: PlannedForward, tokens: torch.Tensor, logprobs: torch.Tensor | None,
                 top: tuple[torch.Tensor, torch.Tensor] | None

@@ -169,6 +169,7 @@ def _sampling(body: Any) -> SamplingParams:
     stop = getattr(body, "stop", None)
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p,
+                          min_p=0.0 if body.min_p is None else body.min_p,
                           stop=() if stop is None else stop, seed=body.seed)
 
 

@@ -56,7 +56,7 @@ NOT_SUPPORTED = {
     # vLLM's extensions, which clients send through extra_body
     "guided_json": _USE_RESPONSE_FORMAT, "guided_regex": "not supported", "guided_choice": "not supported",
     "guided_grammar": "not supported", "guided_decoding_backend": "not supported",
-    "top_k": "not supported", "min_p": "not supported", "repetition_penalty": "not supported",
+    "top_k": "not supported", "repetition_penalty": "not supported",
     "chat_template_kwargs": "not supported",
 }
 
@@ -97,6 +97,7 @@ def _union(choose, expected: str, **members):
 
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
+MinP = Annotated[float, Field(ge=0, le=1)]  # vLLM's extension (extra_body): tokens under min_p x the best's are cut
 MaxTokens = Annotated[int, Field(ge=1)]
 Seed = Annotated[int, Field(ge=-2**63, lt=2**64)]
 Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
@@ -196,6 +197,7 @@ class _Sampled(_Body):
     model: Annotated[str, Field(min_length=1)]
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    min_p: MinP | None = None
     seed: Seed | None = None
     stream: bool = False
     user: str | None = None

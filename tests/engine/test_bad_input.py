@@ -115,7 +115,8 @@ def test_generate_with_sampling_that_is_not_sampling_params(populated):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": "0.5"}, "temperature"), ({"top_p": None}, "top_p"),
+    ({"temperature": "0.5"}, "temperature"), ({"top_p": None}, "top_p"), ({"min_p": "0.1"}, "min_p"),
+    ({"min_p": True}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": "2"}, "repetition_penalty"),
     ({"stop": 5}, "stop"), ({"ignore_eos": "no"}, "ignore_eos"),
 ])

@@ -86,6 +86,57 @@ def test_top_k_and_top_p_never_sample_cut_tokens():
     assert top_p == {0, 1, 2}
 
 
+def test_min_p_cuts_tokens_under_its_share_of_the_best_and_one_keeps_only_the_best():
+    logits = torch.tensor([[3.0, 2.9, 1.0, -5.0, 2.0, 0.0]])
+    probs = torch.softmax(logits, dim=-1)[0]
+    kept = probs >= 0.3 * probs.max()  # 0, 1 and 4: 2.0 is e^-1 = 0.37 of the best, 1.0 is 0.14
+    assert kept.tolist() == [True, True, False, False, True, False]
+    generator = torch.Generator().manual_seed(0)
+    drawn = {int(sample(logits, SamplingParams(min_p=0.3), [generator])) for _ in range(500)}
+    assert drawn == {0, 1, 4}
+    assert {int(sample(logits, SamplingParams(min_p=1.0), [generator])) for _ in range(50)} == {0}
+
+
+def test_the_cuts_apply_in_transformers_order():
+    """filter_probs keeps what transformers' warpers keep, in its order: temperature, top-k, top-p, min-p. Here
+    vLLM's order (min-p before top-p) would keep fewer: top-p would measure within the min-p set."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from dendrite_nb.sampling import filter_probs
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 2
+    for params in (SamplingParams(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05),
+                   SamplingParams(temperature=1.3, top_p=0.5, min_p=0.2), SamplingParams(top_k=7, min_p=0.4)):
+        warped = logits.clone()
+        for warper in (TemperatureLogitsWarper(params.temperature), TopKLogitsWarper(params.top_k or 300),
+                       TopPLogitsWarper(params.top_p), MinPLogitsWarper(params.min_p)):
+            warped = warper(None, warped)
+        assert torch.equal(filter_probs(logits, params) > 0, warped > float("-inf"))
+    # Three likely tokens (0.2, 0.19, 0.18) and a tail of 43 at 0.01, under min-p 0.5's 0.1: top-p 0.5 keeps the
+    # three (0.39 before the third); measured within the min-p set (0.35, 0.33, 0.32), it would keep two.
+    x = torch.tensor([[0.2, 0.19, 0.18] + [0.01] * 43]).log()
+    within_min_p = torch.tensor([0.2, 0.19, 0.18]) / 0.57
+    assert (filter_probs(x, SamplingParams(top_p=0.5, min_p=0.5)) > 0).sum() == 3
+    assert (within_min_p.cumsum(-1) - within_min_p < 0.5).sum() == 2
+
+
+def test_mixed_rows_sample_as_each_would_alone():
+    """sample_rows (rows that joined a running batch with their own settings) draws each row as sample() would
+    draw it alone from the same generator state; greedy rows need no generator."""
+    from dendrite_nb.sampling import sample_rows
+
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(top_p=0.8), SamplingParams(temperature=0.0), SamplingParams(top_k=3, min_p=0.1),
+              SamplingParams(top_p=0.8), SamplingParams(temperature=0.5, repetition_penalty=1.5)]
+    histories = [[], [], [], [], [1, 2, 3]]
+    generators = [torch.Generator().manual_seed(seed) if not p.greedy else None for seed, p in enumerate(params)]
+    mixed = sample_rows(logits, params, generators, histories).tolist()
+    for row, p in enumerate(params):
+        generator = None if p.greedy else torch.Generator().manual_seed(row)
+        alone = sample(logits[row: row + 1], p, [generator], histories[row: row + 1])
+        assert mixed[row] == int(alone)
+
+
 def test_repetition_penalty_matches_transformers():
     from transformers import RepetitionPenaltyLogitsProcessor
 

@@ -247,6 +247,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "
     ("gen root -n 0", None, "--max-tokens takes a count >= 1"),
     ("gen root --temperature -1", None, "temperature must be >= 0"),
     ("gen root --top-p 2", None, "top_p must be in"),
+    ("gen root --min-p 2", None, "min_p must be in"),
     ("gen root -n 5000", None, "the model allows"),
     ("gen root -n 1000", None, "OutOfBlocks"),
     ("gen root --frob", None, "unrecognized arguments"),

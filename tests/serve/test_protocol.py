@@ -85,6 +85,13 @@ def test_completion_defaults_and_fields():
     assert request.sampling.seed == 7 and request.stream and request.include_usage and request.parent == "cmpl-abc"
 
 
+@pytest.mark.parametrize("endpoint", PARSERS)
+def test_min_p_reaches_the_sampling_settings(endpoint):
+    """vLLM's min_p, which OpenAI's clients send through extra_body, on every endpoint that samples."""
+    request = PARSERS[endpoint]({**MINIMAL[endpoint], "min_p": 0.05, "top_p": 0.9})
+    assert (request.sampling.min_p, request.sampling.top_p) == (0.05, 0.9)
+
+
 def test_chat_messages_roles_and_parts():
     request = parse_chat_request({"model": "m", "messages": [
         {"role": "developer", "content": "Be brief."},
@@ -107,6 +114,7 @@ def test_chat_sampling_logprobs_and_tokens():
     assert (request.n, request.max_new_tokens, request.logprobs, request.top_logprobs) == (4, 9, True, 20)
     assert request.sampling.stop == ("a", "b", "c", "d") and request.sampling.temperature == 0.7
     assert request.include_usage and request.parent == "chatcmpl-1" and request.constraint_spec is None
+    assert request.sampling.min_p == 0.0  # off unless asked
     assert parse_chat_request({"model": "m", "messages": USER, "max_tokens": 5}).max_new_tokens == 5
     unbounded = parse_chat_request(MINIMAL["chat"])
     assert unbounded.max_new_tokens is None and not unbounded.logprobs and unbounded.top_logprobs == 0
@@ -224,6 +232,8 @@ BAD = [
     ("chat", {"temperature": -0.1}, "temperature", "invalid_value"),
     ("chat", {"top_p": 0}, "top_p", "invalid_value"),
     ("chat", {"top_p": 1.5}, "top_p", "invalid_value"),
+    ("chat", {"min_p": 1.5}, "min_p", "invalid_value"),
+    ("completions", {"min_p": -0.1}, "min_p", "invalid_value"),
     ("chat", {"n": 0}, "n", "invalid_value"),
     ("chat", {"n": wire.MAX_CHOICES + 1}, "n", "invalid_value"),
     ("chat", {"max_tokens": 0}, "max_tokens", "invalid_value"),
