@@ -20,6 +20,16 @@ gemv keeps one row eagerly too: there it beat cuBLAS with its separate norm and 
 (b) 10.1-11.1 against 11.9 ms).
 
 docs/lab/gpu-fast-path.md (seventh, thirteenth and fourteenth sessions) has the measurements behind the row limits.
+
+FP8 weights (weight_scale given: the weight is float8_e4m3fn [N, K], weight_scale float32 [N], and W stands
+for weight_scale[:, None] * weight): the same kernels by rows. A decode step's few rows are bound by the
+weight's bytes, so gemv and skinny read the fp8 weight directly, half of bf16's bytes, with x at full
+precision and each output column's scale applied to its float32 sum; at these rows they already beat cuBLAS
+(above), and on an H200 they beat torch._scaled_mm's path at 1-16 rows on every projection of the 0.6B and 8B
+models but the 8B gate/up at 4 and 16 rows (fp8_linear.py). Beyond them, and in eager GPU steps, where cuBLAS
+ran the bf16 products, a product is bound by tensor-core time and launches, and fp8_linear.py hands it to the
+library: torch._scaled_mm with x quantised per row to e4m3, or on the CPU and GPUs without e4m3 (compute
+capability below 8.9, where Triton cannot convert e4m3 either) a float32 F.linear of the widened weight.
 """
 from __future__ import annotations
 
@@ -28,6 +38,8 @@ import contextlib
 import torch
 from torch.nn import functional as F
 
+from ..kv.fp8 import FP8_DTYPE
+from .fp8_linear import fp8_linear, has_e4m3
 from .gemv import gemv
 from .norm import add_rms_norm
 from .skinny import FOLD_ROWS, MIN_ROWS, skinny
@@ -52,8 +64,11 @@ def graph_products():
 
 def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
     """Which kernel runs x @ weight.T here: "gemv", "skinny" or "cublas" (on a GPU, "skinny" only inside
-    graph_products(): an eager step sends its 2-64 rows to cuBLAS)."""
+    graph_products(): an eager step sends its 2-64 rows to cuBLAS). "cublas" stands for the library's product:
+    F.linear, or for an fp8 weight fp8_linear (which is the only one for fp8 on a GPU without e4m3)."""
     if x.dim() != 2 or x.stride(-1) != 1 or weight.stride(1) != 1:
+        return "cublas"
+    if weight.dtype == FP8_DTYPE and x.is_cuda and not has_e4m3(x.device):
         return "cublas"
     rows = x.shape[0]
     if rows <= GEMV_ROWS:
@@ -62,43 +77,53 @@ def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
     return "skinny" if MIN_ROWS <= rows <= SKINNY_ROWS and not eager_gpu else "cublas"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through gemv or skinny for a decode step of few rows."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through gemv or skinny for a decode step of few rows. With weight_scale, weight is fp8 and
+    the product is x @ (weight_scale[:, None] * weight.float()).T, in float32, cast to x's dtype, bias added
+    after the scale."""
     kernel = product_kernel(x, weight)
     if kernel == "gemv":
-        return gemv(x, weight, bias)
+        return gemv(x, weight, bias, weight_scale=weight_scale)
     if kernel == "skinny":
-        return skinny(x, weight, bias)
+        return skinny(x, weight, bias, weight_scale=weight_scale)
+    if weight_scale is not None or weight.dtype == FP8_DTYPE:
+        return fp8_linear(x, weight, weight_scale, bias)
     return F.linear(x, weight, bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(weight * rmsnorm(x + residual)), x + residual); x itself is the stream when residual is None.
-    One kernel for a decode step of up to FOLD_ROWS rows; otherwise the norm's own kernel, then linear()."""
+    One kernel for a decode step of up to FOLD_ROWS rows; otherwise the norm's own kernel, then linear().
+    weight_scale: for an fp8 weight, as linear() takes it."""
     kernel = product_kernel(x, weight)
     if kernel == "gemv":
-        return gemv(x, weight, bias, norm=(residual, norm_weight, eps))
+        return gemv(x, weight, bias, norm=(residual, norm_weight, eps), weight_scale=weight_scale)
     if kernel == "skinny" and x.shape[0] <= FOLD_ROWS:
-        return skinny(x, weight, bias, norm=(residual, norm_weight, eps))
+        return skinny(x, weight, bias, norm=(residual, norm_weight, eps), weight_scale=weight_scale)
     normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), summed
+    return linear(normed, weight, bias, weight_scale=weight_scale), summed
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                    norm: tuple[torch.Tensor | None, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
+                    norm: tuple[torch.Tensor | None, torch.Tensor, float], *,
+                    weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up of the stacked gate_up projection of weight * rmsnorm(x + residual), x + residual) for
     norm = (residual, weight, eps), as norm_linear returns them. One kernel for a decode step of up to FOLD_ROWS
     rows; then the norm's own kernel and skinny with the SwiGLU, up to SKINNY_ROWS; cuBLAS and two kernels beyond,
-    and wherever product_kernel picks cuBLAS (an eager step on a GPU)."""
+    and wherever product_kernel picks cuBLAS (an eager step on a GPU). weight_scale: for an fp8 gate_up weight,
+    float32 [2I] (gate rows' scales above up rows'), each applied before silu(gate) * up."""
     kernel = product_kernel(x, gate_up_weight)
     if kernel == "gemv":
-        return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
+        return gemv(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True, weight_scale=weight_scale)
     if kernel == "skinny":
         if x.shape[0] <= FOLD_ROWS:
-            return skinny(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True)
+            return skinny(x, gate_up_weight, gate_up_bias, norm=norm, swiglu=True, weight_scale=weight_scale)
         normed, summed = add_rms_norm(x, *norm)
-        return skinny(normed, gate_up_weight, gate_up_bias, swiglu=True), summed
-    gate_up, summed = norm_linear(x, norm[0], norm[1], norm[2], gate_up_weight, gate_up_bias)
+        return skinny(normed, gate_up_weight, gate_up_bias, swiglu=True, weight_scale=weight_scale), summed
+    gate_up, summed = norm_linear(x, norm[0], norm[1], norm[2], gate_up_weight, gate_up_bias,
+                                  weight_scale=weight_scale)
     return silu_mul(gate_up), summed
 

@@ -30,6 +30,11 @@ projection is split only while all the split programs stay resident in one wave 
 Under PDL each program first asks for its first chunks of W in L2 (default_prefetch), then waits for the kernel
 before it: W depends on no kernel, so its first bytes stream in during that kernel's tail. The chains of
 products at 8 rows on an H200: 0.6B 0.670 -> 0.630 ms, 8B 3.862 -> 3.810 ms (docs/lab/gpu-fast-path.md).
+
+FP8 weights (HAS_SCALE): W's tiles stream in as e4m3, half of bf16's bytes, and are widened to x's dtype
+(exactly: every e4m3 value is a bf16 value) for the tensor cores, so x keeps its precision; the rows' float32
+scales multiply the products in the epilogue, after split-K's sum, before the bias and the SwiGLU
+(fp8_linear.py).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .fp8_linear import check_weight_scale
 from .gemv import _weight_tile, check_folds
 from .pdl import pdl_arguments, wait_for_inputs
 from .swiglu import silu_times_up
@@ -58,14 +64,15 @@ SMALL_PRODUCT = 8 << 20  # out_features x width up to which a product takes defa
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
-                   stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
+def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                   K_SPLIT, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
                    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLITS: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
                    LINE_ELEMENTS: tl.constexpr, PDL: tl.constexpr):
     # N: output features (with SWIGLU, the intermediate size; W then has 2N rows, gate above up).
     # Program (pid_n, pid_k) owns rows [pid_n * BLOCK_N, +BLOCK_N) of W and columns [pid_k * K_SPLIT, +K_SPLIT).
+    # HAS_SCALE: W is e4m3 with a float32 scale per row at s_ptr, applied to the float32 products in _finish.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * K_SPLIT
@@ -91,6 +98,9 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, part_pt
         k_valid = k < k_hi
         mask = k_valid[:, None] & m_valid[None, :]
         w, up = _weight_tile(w_rows, N * stride_wn, k, n_valid[:, None] & k_valid[None, :], SWIGLU)
+        if HAS_SCALE:  # tl.dot takes both operands in one dtype, and every e4m3 value is exact in x's
+            w = w.to(dtype)
+            up = up.to(dtype)
         x = tl.load(x_cols + k[:, None], mask=mask, other=0.0)
         if NORM:  # one pass: the stream's squares add up here, and its rstd scales the products at the end
             stream = x.to(tl.float32)
@@ -109,11 +119,11 @@ def _skinny_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, part_pt
         acc, acc_up, row_squares, last = _gather_splits(acc, acc_up, row_squares, part_ptr, count_ptr, pid_n,
                                                         pid_k, NORM, SWIGLU, BLOCK_M, BLOCK_N, SPLITS)
         if last:
-            _finish(acc, acc_up, row_squares, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps, dtype,
-                    HAS_BIAS, NORM, SWIGLU)
+            _finish(acc, acc_up, row_squares, s_ptr, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps,
+                    dtype, HAS_BIAS, NORM, SWIGLU, HAS_SCALE)
     else:
-        _finish(acc, acc_up, row_squares, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps, dtype,
-                HAS_BIAS, NORM, SWIGLU)
+        _finish(acc, acc_up, row_squares, s_ptr, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps, dtype,
+                HAS_BIAS, NORM, SWIGLU, HAS_SCALE)
 
 
 @triton.jit
@@ -136,13 +146,19 @@ def _prefetch_first_chunks(w_ptr, n, N, k_lo, k_hi, stride_wn, SWIGLU: tl.conste
 
 
 @triton.jit
-def _finish(acc, acc_up, row_squares, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps,
-            dtype: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr):
-    """The epilogue: the norm's rstd, the bias, the SwiGLU, the store of y's [BLOCK_N, BLOCK_M] tile."""
+def _finish(acc, acc_up, row_squares, s_ptr, b_ptr, y_ptr, m, m_valid, n, n_valid, N, K, stride_ym, eps,
+            dtype: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+            HAS_SCALE: tl.constexpr):
+    """The epilogue: the norm's rstd, the fp8 weight's scales, the bias, the SwiGLU, the store of y's
+    [BLOCK_N, BLOCK_M] tile."""
     if NORM:  # weight * rmsnorm(s) @ W.T = rstd * ((weight * s) @ W.T), row by row
         rstd = tl.rsqrt(row_squares / K + eps)[None, :]
         acc *= rstd
         acc_up *= rstd
+    if HAS_SCALE:  # one scale per row of W: per output feature, the tile's first axis (gate, then up)
+        acc *= tl.load(s_ptr + n, mask=n_valid, other=0.0)[:, None]
+        if SWIGLU:
+            acc_up *= tl.load(s_ptr + N + n, mask=n_valid, other=0.0)[:, None]
     y = acc
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[:, None]
@@ -189,7 +205,7 @@ def _gather_splits(acc, acc_up, row_squares, part_ptr, count_ptr, pid_n, pid_k, 
 
 
 def default_config(out_features: int, width: int, norm: bool = False, swiglu: bool = False,
-                   rows: int = FOLD_ROWS) -> tuple[int, int, int, int]:
+                   rows: int = FOLD_ROWS, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [out_features, width] product: the fastest settings of
     sweeps over the 0.6B and 8B projections and LM heads on an H200 (tune_skinny.py; REPORT "Parts of a step
     (tuners and profilers)", the runs in docs/lab/constants-history.md). A large product (8B) streams W in tiles
@@ -199,7 +215,14 @@ def default_config(out_features: int, width: int, norm: bool = False, swiglu: bo
     their size: it takes 64 rows of W per program and shallower pipelines, and default_splits cuts its K. Above
     FOLD_ROWS rows (x padded to 32 or 64; the norm is not folded there) the products take 64 x 128 tiles of W, in
     5 stages (4 above 32 rows for a small product, or gate/up's two tiles), and an LM head above 32 rows
-    128 x 64 tiles in 8 warps."""
+    128 x 64 tiles in 8 warps.
+
+    fp8 (an e4m3 weight): 64 x 128 tiles in 3 stages (4 for gate/up's two tiles up to FOLD_ROWS rows), the
+    fastest on the whole of 32 settings at 4 and 64 rows on the 0.6B and 8B projections and LM heads (H200;
+    benchmarks/fp8_products.py's docstring). It reads half of bf16's bytes, yet the projections took 0.86-1.44x
+    bf16's time at 4 to 64 rows; only the LM heads gained (0.71-0.89x)."""
+    if fp8:
+        return 64, max(16, min(128, triton.next_power_of_2(width))), 4, 4 if swiglu and rows <= FOLD_ROWS else 3
     if rows > FOLD_ROWS:
         if out_features >= 32768:
             block_n, block_k, warps, stages = (128, 64, 8, 4) if rows > 32 else (64, 128, 4, 4)
@@ -262,18 +285,19 @@ def stepped_down_configs() -> list[tuple[tuple[int, int, int, int], tuple[int, i
 
 
 def default_splits(config: tuple[int, int, int, int], tiles: int, chunks: int, swiglu: bool,
-                   device: torch.device, block_m: int = MIN_BLOCK_M) -> int:
+                   device: torch.device, block_m: int = MIN_BLOCK_M, weight_bytes: int = 2) -> int:
     """Split-K's ways for a product of `tiles` programs along N and `chunks` BLOCK_K chunks of K at `config`:
     as many as keep every program resident at once (by the shared memory its stages take) and give the GPU
     about SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each with at least MIN_SPLIT_CHUNKS chunks (block_m:
     x's rows as padded, whose chunks share the stages' shared memory with W's tiles). A
     split that needs a second wave of programs loses (an 8B q/k/v at 1 program per multiprocessor: 27 us with
-    3 ways against 20 without, H200), so a large setting over many tiles is not split. None on the CPU."""
+    3 ways against 20 without, H200), so a large setting over many tiles is not split. None on the CPU.
+    weight_bytes: bytes of an element of W as it sits in shared memory (1 for e4m3; x's chunks are 16-bit)."""
     if device.type != "cuda":
         return 1
     sms, shared_bytes = _multiprocessors(device)
     block_n, block_k, _, stages = config
-    stage_bytes = ((2 if swiglu else 1) * block_n + block_m) * block_k * 2  # W tile(s) and x chunk, 16-bit
+    stage_bytes = ((2 if swiglu else 1) * block_n * weight_bytes + block_m * 2) * block_k  # W tile(s), x chunk
     resident = max(1, shared_bytes // (stages * stage_bytes))
     return max(1, min(chunks // MIN_SPLIT_CHUNKS, resident * sms // tiles,
                       -(-SPLIT_PROGRAMS_PER_SM * sms // tiles)))
@@ -309,7 +333,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, swiglu: bool = False,
            config: tuple[int, int, int, int] | None = None,
            splits: int | None = None,
-           prefetch: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           prefetch: int | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, contiguous rows) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype.
 
     norm and swiglu as in gemv(): with norm = (residual or None, norm_weight, eps) the product reads
@@ -318,6 +343,9 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a setting that needs more shared memory than this GPU has steps down (smaller_config) until one fits.
     splits: split-K's ways (None: default_splits); K is cut into that many ranges of whole BLOCK_K chunks.
     prefetch: W's chunks each program asks into L2 before its PDL wait (None: default_prefetch; 0: none).
+    weight_scale: float32 [N] (with swiglu, [2I]) for a float8_e4m3fn weight, read as fp8 and widened to x's
+    dtype for the tensor cores; each row's scale multiplies its float32 products before the bias and the
+    SwiGLU (fp8_linear.py). Needs e4m3 in hardware on a GPU (compute capability 8.9 or later).
     """
     rows, width = x.shape
     if not MIN_ROWS <= rows <= MAX_ROWS or weight.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -329,16 +357,18 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
         raise ValueError(f"prefetch is a whole number of W's chunks, 0 or more (or None for the default), got "
                          f"{prefetch!r}.")
+    check_weight_scale(weight, weight_scale)
     out_features = check_folds(x, weight, norm, swiglu)
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
     y = x.new_empty(rows, out_features)
     summed = torch.empty_like(x) if residual is not None else None
-    requested = config or default_config(out_features, width, norm is not None, swiglu, rows)
-    key = (requested, x.dtype, x.device, norm is not None, swiglu, row_tile(rows))  # shared memory depends on all
+    requested = config or default_config(out_features, width, norm is not None, swiglu, rows, weight_scale is not None)
+    # Shared memory depends on all of these.
+    key = (requested, x.dtype, weight.dtype, x.device, norm is not None, swiglu, row_tile(rows))
     config = _FITTED.get(key, requested)
     while True:
         try:
-            _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, bias, y, eps,
+            _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, weight_scale, bias, y, eps,
                     norm is not None, swiglu)
             break
         except OutOfResources:
@@ -351,15 +381,16 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y, (summed if summed is not None else x)
 
 
-def _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, bias, y, eps, norm: bool,
-            swiglu: bool) -> None:
+def _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, weight_scale, bias, y, eps,
+            norm: bool, swiglu: bool) -> None:
     block_n, block_k, warps, stages = config
     rows, width = x.shape
     out_features = y.shape[1]
     tiles, chunks = triton.cdiv(out_features, block_n), triton.cdiv(width, block_k)
     block_m = row_tile(rows)
     prefetch = default_prefetch(out_features, width, rows) if prefetch is None else prefetch
-    splits = min(splits or default_splits(config, tiles, chunks, swiglu, x.device, block_m), chunks)
+    splits = min(splits or default_splits(config, tiles, chunks, swiglu, x.device, block_m,
+                                          1 if weight_scale is not None else 2), chunks)
     chunks_per_split = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, chunks_per_split)  # no split left without columns
     if splits > 1:
@@ -369,12 +400,13 @@ def _launch(config, splits, prefetch, x, residual, norm_weight, summed, weight, 
         partials = tickets = y  # never read
     _skinny_kernel[(tiles, splits)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-        summed if summed is not None else y, weight, bias if bias is not None else weight, y, partials, tickets,
+        summed if summed is not None else y, weight, weight_scale if weight_scale is not None else y,
+        bias if bias is not None else weight, y, partials, tickets,
         rows, out_features, width, chunks_per_split * block_k,
         x.stride(0), residual.stride(0) if residual is not None else 0,
         summed.stride(0) if summed is not None else 0, weight.stride(0), y.stride(0), eps,
         HAS_BIAS=bias is not None, NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
+        HAS_SCALE=weight_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH=min(prefetch, chunks_per_split),
         **prefetch_lines(block_k, weight.element_size()),
         num_warps=warps, num_stages=stages,

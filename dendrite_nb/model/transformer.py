@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from .config import ModelConfig
 from .dense import dense
+from .quantized_linear import QuantizedLinear
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -35,22 +36,37 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _fuse_linears(owner: nn.Module, prefix: str, linears: list[nn.Linear]) -> None:
+def _fuse_linears(owner: nn.Module, prefix: str, linears: list[nn.Module]) -> None:
     """Stack the linears' weights (and biases) by rows into buffers `{prefix}_weight`, `{prefix}_bias` of `owner`
-    and make each linear's parameters views into them: one GEMM reads them all, and they are stored once."""
+    and make each linear's parameters views into them: one GEMM reads them all, and they are stored once.
+    fp8 QuantizedLinears stack their fp8 weights, and their per-channel scales into `{prefix}_weight_scale`
+    (None for float weights)."""
+    quantized = isinstance(linears[0], QuantizedLinear)
     with torch.no_grad():
-        weight = torch.cat([linear.weight for linear in linears])  # [sum of out_features, in_features]
+        weight = torch.cat([linear.qweight if quantized else linear.weight for linear in linears])
+        scale = torch.cat([linear.scale for linear in linears]) if quantized else None
         bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
     # Not persistent: checkpoints and state_dict keep the HF names, which stay the parameters' names.
     owner.register_buffer(f"{prefix}_weight", weight, persistent=False)
+    owner.register_buffer(f"{prefix}_weight_scale", scale, persistent=False)
     owner.register_buffer(f"{prefix}_bias", bias, persistent=False)
     start = 0
     for linear in linears:
         rows = slice(start, start + linear.out_features)
-        linear.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if quantized:
+            linear.qweight, linear.scale = weight[rows], scale[rows]
+        else:
+            linear.weight = nn.Parameter(weight[rows], requires_grad=False)
         if bias is not None:
             linear.bias = nn.Parameter(bias[rows], requires_grad=False)
         start += linear.out_features
+
+
+def product_weight(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, per-channel scale or None) as the fused kernels' products take them."""
+    if isinstance(linear, QuantizedLinear):
+        return linear.qweight, linear.scale
+    return linear.weight, None
 
 
 class Attention(nn.Module):
@@ -92,7 +108,8 @@ class Attention(nn.Module):
 
         heads, kv_heads, head_dim = self.shape
         tokens = x.shape[0]
-        qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_weight, self.qkv_bias)
+        qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_weight, self.qkv_bias,
+                                    weight_scale=self.qkv_weight_scale)
         qkv = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
         # Views into qkv, rows strided by the whole qkv width; RoPE rotates q and k where they lie.
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, heads | kv_heads, head_dim]
@@ -104,7 +121,9 @@ class Attention(nn.Module):
             rope_qk(q, k, cos, sin, out=(q, k), norm_weights=qk_norm, eps=eps)
             backend.append_kv(plan, kv, k, v)
             out = backend.attend(plan, q, kv)
-        return linear(out.reshape(tokens, heads * head_dim), self.o_proj.weight, self.o_proj.bias), residual
+        o_weight, o_scale = product_weight(self.o_proj)
+        return linear(out.reshape(tokens, heads * head_dim), o_weight, self.o_proj.bias,
+                      weight_scale=o_scale), residual
 
 
 class MLP(nn.Module):
@@ -129,8 +148,10 @@ class MLP(nn.Module):
         from ..kernels import linear, linear_silu_mul
 
         hidden, residual = linear_silu_mul(x, self.gate_up_weight, self.gate_up_bias,
-                                           norm=(residual, norm.weight, norm.eps))  # [T, intermediate]
-        return linear(hidden, self.down_proj.weight, self.down_proj.bias), residual
+                                           norm=(residual, norm.weight, norm.eps),
+                                           weight_scale=self.gate_up_weight_scale)  # [T, intermediate]
+        down_weight, down_scale = product_weight(self.down_proj)
+        return linear(hidden, down_weight, self.down_proj.bias, weight_scale=down_scale), residual
 
 
 class DecoderLayer(nn.Module):
@@ -169,6 +190,7 @@ class CausalLM(nn.Module):
         self.tie_weights()
         self.inv_freq: torch.Tensor | None = None  # set by materialize(), after the weights have a device
         self.fused_kernels = False  # set by use_fused_kernels()
+        self.weights_format: str | None = None  # set by quantize_model(): "int8", "int4", "fp8"; None = dtype
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -188,9 +210,11 @@ class CausalLM(nn.Module):
         if enabled:
             from ..kernels import unavailable_reason
 
-            reason = unavailable_reason(self.lm_head.weight.device)
+            reason = unavailable_reason(self.model.embed_tokens.weight.device)
             if reason is not None:
                 raise ValueError(f"fused kernels cannot run here: {reason}.")
+            if self.weights_format not in (None, "fp8"):
+                raise ValueError(f"the fused kernels read float or fp8 weights; these are {self.weights_format}.")
             for layer in self.model.layers:
                 layer.self_attn.fuse_projections()
                 layer.mlp.fuse_projections()
@@ -222,5 +246,6 @@ class CausalLM(nn.Module):
         if self.fused_kernels:
             from ..kernels import linear
 
-            return linear(hidden, self.lm_head.weight).float()
+            weight, scale = product_weight(self.lm_head)
+            return linear(hidden, weight, weight_scale=scale).float()
         return dense(self.lm_head, hidden).float()

@@ -161,3 +161,27 @@ def test_the_real_model_quantized_stays_within_its_error_bounds(real_gguf, float
         agree += int(engine.next_logits(branch)[0].argmax().item() == token)
         engine.append(branch, [token])
     assert agree >= min_agreement, f"{format}: {agree} of 64 greedy steps agree"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied"])
+def test_fp8_weights_on_the_gpu_keep_forks_exact_and_logits_near_the_float_models(shape):
+    """The fused kernels and CUDA graphs over fp8 weights (float32 activations, so the one-row and few-row products
+    agree to rounding): a fork matches the linear run token for token, and the logits stay near the float model's."""
+    config = TINY_SHAPES[shape].hf_config(vocab_size=320)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    reference = Engine.from_random(config, device="cuda", num_blocks=64, block_size=16)
+    expected = reference.next_logits(reference.new_branch("a", prompt))[0].float()
+    engine = Engine.from_random(config, device="cuda", weights="fp8", num_blocks=64, block_size=16)
+    assert engine.model.weights_format == "fp8" and engine.model.fused_kernels
+    got = engine.next_logits(engine.new_branch("a", prompt))[0].float()
+    assert ((got - expected).norm() / expected.norm()).item() < 0.1
+    linear = engine.new_branch("linear", prompt)
+    engine.generate(linear, max_new_tokens=12, sampling=GREEDY)
+    trunk = engine.new_branch("trunk", prompt)
+    engine.generate(trunk, max_new_tokens=4, sampling=GREEDY)
+    children = engine.fork(trunk, 3)
+    engine.generate(children, max_new_tokens=8, sampling=GREEDY)
+    for child in children:
+        assert engine.branch(child.name).tokens == engine.branch("linear").tokens
+    engine.audit()
