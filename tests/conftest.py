@@ -14,7 +14,11 @@ from dendrite_nb.testing import write_tiny_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.support import gpu_compile_runs
     from tests.support.lab_session import missing_requirements
+
+    if any(item.nodeid.startswith("tests/kernels/test_gpu_compile.py") for item in items):
+        gpu_compile_runs.start()  # minutes of compiling, beside the other tests
 
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on a GPU machine with `pytest -m gpu`")
     missing = missing_requirements()
@@ -24,6 +28,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "browser" in item.keywords and missing:
             item.add_marker(skip_browser)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.support import gpu_compile_runs
+
+    gpu_compile_runs.stop()
 
 
 @pytest.fixture(scope="session")

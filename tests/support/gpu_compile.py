@@ -1,5 +1,5 @@
 """Compile the engine's Triton kernels (attention, RoPE, KV append, and the decoder's: GEMV, skinny products,
-RMSNorm, SwiGLU, the sampler) for a GPU this machine does not have: Hopper (sm_90: H100,
+RMSNorm, SwiGLU, the two samplers) for a GPU this machine does not have: Hopper (sm_90: H100,
 H200) or consumer Blackwell (sm_120: DGX Spark's GB10 is sm_121, the same instructions; RTX 50xx).
 
 Triton's CPU interpreter, which the CPU tests run the kernels in, does not type-check the code as the compiler
@@ -12,7 +12,8 @@ loads pipeline, and shared memory is what the GPU will be asked for).
 Run it with TRITON_INTERPRET unset (the interpreter replaces @triton.jit) and a fresh TRITON_CACHE_DIR, so that
 nothing is taken from an earlier compile:
 
-    env -u TRITON_INTERPRET TRITON_CACHE_DIR=$(mktemp -d) python tests/support/gpu_compile.py [--arch 90|120]
+    env -u TRITON_INTERPRET TRITON_CACHE_DIR=$(mktemp -d) python tests/support/gpu_compile.py [--arch 90|120] \
+        [--kernel NAME ...]
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from triton.compiler import ASTSource
 from dendrite_nb.attention.triton_tuning import BLOCK_N, NARROW_LAUNCH, ONE_TILE_WARPS, TMA_TILE_WIDTH, WIDE_LAUNCH
 from dendrite_nb.attention.triton_decode_kernel import decode_tile_attention_kernel
 from dendrite_nb.attention.triton_kernels import merge_partials_kernel, segment_attention_kernel
+from dendrite_nb.kernels import filtered_sample
 from dendrite_nb.kernels.kv_append import _append_kv_kernel
 from dendrite_nb.kernels.norm import _rms_norm_kernel
 from dendrite_nb.kernels.race_sample import BLOCK_V, _race_kernel
@@ -42,6 +44,7 @@ FLOAT_ARGUMENTS = {"qk_scale", "eps", "inv_temperature"}
 # Qwen3-0.6B's products (out features, width): q/k/v, o, gate/up (SwiGLU), down, and the LM head.
 PRODUCTS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (3072, 1024), "down": (1024, 3072),
             "lm_head": (151936, 1024)}
+SKINNY_LAUNCHES = ((5, 1), (5, 4), (64, 1))  # (rows, split-K ways) of skinny's variants: a search step, a batch
 
 
 def compile_for(arch: int, kernel, pointers: dict[str, str], constexprs: dict, options: dict | None = None):
@@ -117,24 +120,14 @@ def variants():
 
 
 def decoder_variants():
-    """The decoder's kernels, bf16 and float32, at Qwen3-0.6B's shapes with the settings their wrappers pick."""
+    """The decoder's kernels, bf16 and float32, at Qwen3-0.6B's shapes with the settings their wrappers pick;
+    the products also with fp8 (e4m3) weights and their float32 scales."""
     for act in ("bf16", "fp32"):
-        product = {name: f"*{act}" for name in ("x_ptr", "res_ptr", "nw_ptr", "sum_ptr", "w_ptr", "b_ptr", "y_ptr")}
-        for name, (out_features, width) in PRODUCTS.items():
-            swiglu, norm = name == "gate_up", name in ("qkv", "gate_up")
-            folds = dict(HAS_BIAS=False, NORM=norm, RESIDUAL=norm, SWIGLU=swiglu, PDL=True)
-            block_n, block_k, warps, stages = gemv_module.default_config(out_features, width, swiglu)
-            yield ("_gemv_kernel", f"{act}, {name}", gemv_module._gemv_kernel, product,
-                   dict(folds, BLOCK_N=block_n, BLOCK_K=block_k), {"num_warps": warps, "num_stages": stages})
-            for rows, splits in ((5, 1), (5, 4), (64, 1)):
-                block_n, block_k, warps, stages = skinny_module.default_config(out_features, width, norm, swiglu, rows)
-                yield ("_skinny_kernel", f"{act}, {name}, {rows} rows, {splits} splits", skinny_module._skinny_kernel,
-                       {**product, "part_ptr": "*fp32", "count_ptr": "*i32"},
-                       dict(folds, BLOCK_M=skinny_module.row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                            SPLITS=splits, PRECISION="ieee" if act == "fp32" else "tf32",
-                            PREFETCH=skinny_module.default_prefetch(out_features, width, rows),
-                            **skinny_module.prefetch_lines(block_k, 2 if act == "bf16" else 4)),
-                       {"num_warps": warps, "num_stages": stages})
+        yield from product_variants(act, act, SKINNY_LAUNCHES)
+        # fp8 weights: skinny's split and 64-row launches type as its 5-row one does; float32 activations only
+        # change the products' precision. Fewer variants: each skinny compile takes seconds of CI's CPU.
+        yield from product_variants(act, "fp8e4nv", SKINNY_LAUNCHES[1:] if act == "bf16" else SKINNY_LAUNCHES[1:2])
+    for act in ("bf16", "fp32"):
         yield ("_rms_norm_kernel", f"{act}, residual", _rms_norm_kernel,
                {name: f"*{act}" for name in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "sum_ptr")},
                dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True), {"num_warps": 4})
@@ -144,13 +137,59 @@ def decoder_variants():
            {"logits_ptr": "*fp32", "keys_ptr": "*i64", "chunk_score_ptr": "*fp32", "chunk_token_ptr": "*i32",
             "done_ptr": "*i32", "out_ptr": "*i64"},
            dict(BLOCK_V=BLOCK_V, CHUNKS_POW2=64, PDL=True), {"num_warps": 8})
+    # The filtered sampler at a 151,936-token vocabulary: 38 chunks of 32 candidates, 1,216 sorted in 2,048 slots.
+    chunks = triton.cdiv(triton.cdiv(PRODUCTS["lm_head"][0], filtered_sample.SEGMENT),
+                         filtered_sample.BLOCK_V // filtered_sample.SEGMENT)
+    yield ("_filtered_kernel", f"float32 logits, {chunks} chunks", filtered_sample._filtered_kernel,
+           {"logits_ptr": "*fp32", "keys_ptr": "*i64", "knobs_ptr": "*fp32", "chunk_max_ptr": "*fp32",
+            "chunk_sum_ptr": "*fp32", "chunk_cut_ptr": "*fp32", "chunk_count_ptr": "*i32", "chunk_score_ptr": "*fp32",
+            "chunk_token_ptr": "*i32", "candidates_ptr": "*i32", "done_ptr": "*i32", "out_ptr": "*i64"},
+           dict(BLOCK_V=filtered_sample.BLOCK_V, SEGMENT=filtered_sample.SEGMENT,
+                CANDIDATES=filtered_sample.CANDIDATES,
+                CANDIDATES_POW2=triton.next_power_of_2(chunks * filtered_sample.CANDIDATES),
+                CHUNKS_POW2=triton.next_power_of_2(chunks), LADDER=filtered_sample.LADDER,
+                FALLBACK_BLOCK=filtered_sample.FALLBACK_BLOCK, PDL=True), {"num_warps": filtered_sample.NUM_WARPS})
+
+
+def product_variants(act: str, weight: str, skinny_launches: tuple[tuple[int, int], ...]):
+    """gemv and skinny with `act` activations and `weight` weights (fp8e4nv: scaled per row, HAS_SCALE), at each
+    product of PRODUCTS, with the settings their wrappers pick; skinny at each (rows, splits) of skinny_launches."""
+    fp8 = weight == "fp8e4nv"
+    product = {name: f"*{act}" for name in ("x_ptr", "res_ptr", "nw_ptr", "sum_ptr", "b_ptr", "y_ptr")}
+    product.update(w_ptr=f"*{weight}", s_ptr="*fp32")
+    label = f"{act}, fp8 weights" if fp8 else act
+    weight_bytes = 1 if fp8 else 2 if act == "bf16" else 4
+    for name, (out_features, width) in PRODUCTS.items():
+        swiglu, norm = name == "gate_up", name in ("qkv", "gate_up")
+        folds = dict(HAS_BIAS=False, NORM=norm, RESIDUAL=norm, SWIGLU=swiglu, HAS_SCALE=fp8, PDL=True)
+        block_n, block_k, warps, stages = gemv_module.default_config(out_features, width, swiglu, fp8)
+        yield ("_gemv_kernel", f"{label}, {name}", gemv_module._gemv_kernel, product,
+               dict(folds, BLOCK_N=block_n, BLOCK_K=block_k), {"num_warps": warps, "num_stages": stages})
+        for rows, splits in skinny_launches:
+            block_n, block_k, warps, stages = skinny_module.default_config(out_features, width, norm, swiglu, rows,
+                                                                           fp8)
+            yield ("_skinny_kernel", f"{label}, {name}, {rows} rows, {splits} splits", skinny_module._skinny_kernel,
+                   {**product, "part_ptr": "*fp32", "count_ptr": "*i32"},
+                   dict(folds, BLOCK_M=skinny_module.row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                        SPLITS=splits, PRECISION="ieee" if act == "fp32" else "tf32",
+                        PREFETCH=skinny_module.default_prefetch(out_features, width, rows),
+                        **skinny_module.prefetch_lines(block_k, weight_bytes)),
+                   {"num_warps": warps, "num_stages": stages})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, choices=ARCHES, default=90, help="CUDA compute capability x 10")
-    arch = parser.parse_args().arch
+    parser.add_argument("--kernel", action="append", metavar="NAME",
+                        help="compile only this kernel's variants (repeat for several; default: every kernel)")
+    args = parser.parse_args()
+    arch, known = args.arch, {variant[0] for variant in variants()}
+    unknown = sorted(set(args.kernel or ()) - known)
+    if unknown:
+        parser.error(f"no kernel named {', '.join(unknown)}; the kernels are {', '.join(sorted(known))}")
     for name, variant, kernel, pointers, constexprs, options in variants():
+        if args.kernel and name not in args.kernel:
+            continue
         try:
             shared, error = compile_for(arch, kernel, pointers, constexprs, options).metadata.shared, None
         except Exception as failure:  # report every variant, not only the first that fails
