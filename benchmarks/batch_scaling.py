@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
                           Column("greedy_ms", "greedy ms", "{:.3f}"), Column("x_one_leaf", "x 1-leaf", "{:.2f}"),
                           Column("sampled_ms", "sampled ms", "{:.3f}"), Column("x_greedy", "sampled / greedy", "{:.3f}"),
                           Column("short_ms", "short calls ms", "{:.3f}"), Column("x_long", "short / long", "{:.3f}"),
-                          Column("floor_ms", "floor ms", "{:.3f}")])
+                          Column("floor_ms", "floor ms", "{:.3f}"), Column("captures", "graph captures")])
     one_leaf_ms = None
     for count in counts:
         # Room for the steady calls, the short-call search and its forks, with a block to spare per leaf.
@@ -116,18 +116,24 @@ def main(argv: list[str] | None = None) -> dict:
             table.add(**label, unavailable=reason)
             continue
         leaves = leaves_of(engine, count, prefix_ids, own_ids)
+        # CUDA graphs captured inside the timed calls (a new plan shape as contexts grow, a new batch after a fork):
+        # each costs about three eager forwards, so a few of them move a step's median.
+        graphs = engine._graphs
+        captures_before = graphs.captures if graphs is not None else 0
         greedy = steady_step_seconds(engine, leaves, steps, GREEDY, setup.device)
         sampled = steady_step_seconds(engine, leaves, steps, sampler, setup.device)
         long_call = steady_step_seconds(engine, leaves, rounds * args.short, sampler, setup.device)
         short = short_calls_step_seconds(engine, leaves, args.short, rounds, sampler, setup.device)
+        captures = (graphs.captures if graphs is not None else 0) - captures_before
         context = prefix + own + (CALLS + 1) * steps * 2
         floor_s = floors.seconds(costs.weight_bytes + costs.kv_bytes(prefix + count * (context - prefix)), 0.0)
         one_leaf_ms = one_leaf_ms if one_leaf_ms is not None else (greedy * 1e3 if count == 1 else None)
         row = table.add(**label, greedy_ms=greedy * 1e3, sampled_ms=sampled * 1e3, x_greedy=sampled / greedy,
                         x_one_leaf=greedy * 1e3 / one_leaf_ms if one_leaf_ms else None, short_ms=short * 1e3,
-                        x_long=short / long_call, floor_ms=floor_s * 1e3)
+                        x_long=short / long_call, floor_ms=floor_s * 1e3, captures=captures)
         log(f"  {count:>3} leaves: greedy {row['greedy_ms']:.3f} ms, sampled {row['sampled_ms']:.3f} ms "
-            f"({row['x_greedy']:.3f}x), short calls {row['short_ms']:.3f} ms ({row['x_long']:.3f}x a long call)")
+            f"({row['x_greedy']:.3f}x), short calls {row['short_ms']:.3f} ms ({row['x_long']:.3f}x a long call); "
+            f"{captures} CUDA graph captures inside the timed calls")
         del engine, leaves
         free_memory(setup.device)
     measured = [r for r in table.rows if "unavailable" not in r]
