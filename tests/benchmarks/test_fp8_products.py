@@ -2,29 +2,17 @@
 interpreter and is checked against the float32 reference, so the script keeps working between GPU runs."""
 from __future__ import annotations
 
-import importlib
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.support.benchmark_check import run_check
+
 
 
 def test_fp8_products_check_runs_each_kernel_and_the_library_path(tmp_path, monkeypatch, capsys):
-    triton = pytest.importorskip("triton")
-    if not triton.knobs.runtime.interpret:
-        pytest.skip("--check runs the kernels in Triton's interpreter: TRITON_INTERPRET=1 (the CPU test session's)")
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports bench_common from beside it
-    script = importlib.import_module("fp8_products")
-    out = tmp_path / "fp8.json"
-    returned = script.main(["--check", "--json", str(out)])
-    printed = capsys.readouterr().out
-    assert json.loads(out.read_text()) == json.loads(json.dumps(returned, default=str))
-    assert printed.rstrip().splitlines()[-1].startswith("fp8_products wall time: ")
-    (table,) = returned["tables"]
-    assert table["title"] in printed
+    script, returned, printed, table = run_check("fp8_products", [], tmp_path, monkeypatch, capsys)
     rows = table["rows"]
     # Each product of the tiny model at each row count: gemv at 1 row, skinny at 4 (the norm folded) and 64,
     # the library beyond, for the weight in x's dtype and for fp8 alike.

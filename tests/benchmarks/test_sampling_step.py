@@ -6,26 +6,15 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.support.benchmark_check import BENCHMARKS, run_check
+
 
 
 def test_sampling_step_check_times_each_variant_at_each_row_count(tmp_path, monkeypatch, capsys):
-    triton = pytest.importorskip("triton")
-    if not triton.knobs.runtime.interpret:
-        pytest.skip("--check runs the kernels in Triton's interpreter: TRITON_INTERPRET=1 (the CPU test session's)")
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports bench_common from beside it
-    script = importlib.import_module("sampling_step")
-    out = tmp_path / "sampling.json"
-    returned = script.main(["--check", "--step-ms", "2.0", "--json", str(out)])
-    printed = capsys.readouterr().out
-    assert json.loads(out.read_text()) == json.loads(json.dumps(returned, default=str))
-    assert printed.rstrip().splitlines()[-1].startswith("sampling_step wall time: ")
-    (table,) = returned["tables"]
-    assert table["title"] in printed
+    script, returned, printed, table = run_check("sampling_step", ["--step-ms", "2.0"], tmp_path, monkeypatch, capsys)
     variants = ["greedy", "torch", "fused", "fused, top-p only", "race"]
     assert [(r["rows"], r["variant"]) for r in table["rows"]] == [(str(n), v) for n in script.CHECK_ROWS
                                                                  for v in variants]
