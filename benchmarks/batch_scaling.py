@@ -1,13 +1,16 @@
 """A steady decode step by batch size and sampler, and a search made of short calls against one long call.
 
 Qwen3-0.6B shape (random weights, bf16 on a GPU): B leaves forked off a 512-token prefix, 16 tokens each of their own.
-  steady step   generate(leaves, --steps) / --steps, median of CALLS calls, for B in --leaves, greedy and with
+  steady step   generate(copies, --steps) / --steps, median of CALLS calls, each on fresh one-child forks of the
+                leaves (pruned after) once one such call has captured their CUDA graphs, for B in --leaves, greedy and with
                 the search sampler (temperature 0.8, top-k 50, top-p 0.9, plus min-p 0.05 where SamplingParams has
                 it). Targets (issue 42): a step of B <= 64 leaves at most 1.3x the one-leaf greedy step; sampling
                 at most ~5% over greedy at the same B.
   short calls   the same B leaves decoding --rounds rounds of generate(leaves, --short) each followed by a fork
                 of the first leaf and a prune of the last (B stays the same): seconds per decoded step, against
-                one generate(leaves, rounds x short) call's. Target: at most 1.10x.
+                one generate(leaves, rounds x short) call's, both on copies and run once untimed first (a long
+                search meets its shapes again and keeps their graphs). Target: at most 1.10x.
+Each row counts the CUDA graph captures inside its timed calls: 0 means every figure is of replayed graphs.
 Floor: the weights (every one but the embedding table) + the prefix's KV once + each leaf's own KV, over the copy
 bandwidth measured in the same run. The peer for the same steps at 0.6B is decode_step.py's case (b).
 
@@ -17,12 +20,11 @@ bandwidth measured in the same run. The peer for the same steps at 0.6B is decod
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 
-from bench_common import (Column, Report, build_model, engine_variant, free_memory, log, measure_floors, model_costs,
-                          parser, random_ids, setup as make_setup, sync, time_calls)
+from bench_common import (Column, Report, build_model, engine_variant, free_memory, generate_on_copies, log,
+                          measure_floors, model_costs, parser, random_ids, setup as make_setup, sync)
 from dendrite_nb import SamplingParams
 from dendrite_nb.model.quantized_linear import quantize_model
 
@@ -50,24 +52,47 @@ def leaves_of(engine, count: int, prefix_ids, own_ids):
     return leaves
 
 
-def steady_step_seconds(engine, leaves, steps: int, sampling: SamplingParams, device) -> float:
-    times = time_calls(functools.partial(engine.generate, leaves, steps, sampling), device, CALLS, warmup=1)
-    return statistics.median(times) / steps
+def graph_captures(engine) -> int:
+    graphs = engine._graphs
+    return graphs.captures if graphs is not None else 0
 
 
-def short_calls_step_seconds(engine, leaves, short: int, rounds: int, sampling: SamplingParams, device) -> float:
-    """Seconds per decoded step over `rounds` of generate(short) + fork the first leaf + prune the last."""
-    leaves = list(leaves)
+def steady_step_seconds(engine, leaves, steps: int, sampling: SamplingParams, device) -> tuple[float, int]:
+    """(seconds per step, CUDA graph captures inside the timed calls): the median of CALLS generate(steps)
+    calls on fresh copies of the leaves, after one such call that captures their shapes."""
+    generate_on_copies(engine, leaves, steps, sampling, device, repeats=0, warmup=1)
+    captures = graph_captures(engine)
+    times = generate_on_copies(engine, leaves, steps, sampling, device, repeats=CALLS, warmup=0)
+    return statistics.median(times) / steps, graph_captures(engine) - captures
+
+
+def short_calls_search(engine, leaves, short: int, rounds: int, sampling: SamplingParams, device) -> float:
+    """Seconds per decoded step of a search on copies of the leaves: `rounds` of generate(short) + fork the
+    first leaf + prune the last (the batch stays the same size); every branch it made is pruned after."""
+    branches = [engine.fork(leaf, 1)[0] for leaf in leaves]
     sync(device)
     started = time.perf_counter()
     for _ in range(rounds):
-        engine.generate(leaves, short, sampling)
-        if len(leaves) > 1:
-            child, = engine.fork(leaves[0], 1)
-            engine.prune(leaves.pop())
-            leaves.append(child)
+        engine.generate(branches, short, sampling)
+        if len(branches) > 1:
+            child, = engine.fork(branches[0], 1)
+            engine.prune(branches.pop())
+            branches.append(child)
     sync(device)
-    return (time.perf_counter() - started) / (rounds * short)
+    seconds = time.perf_counter() - started
+    engine.prune(branches)
+    return seconds / (rounds * short)
+
+
+def short_calls_step_seconds(engine, leaves, short: int, rounds: int, sampling: SamplingParams,
+                             device) -> tuple[float, int]:
+    """(seconds per step, captures inside the timed search) of short_calls_search, run once untimed first: a
+    search that goes on for long meets the same shapes again, and its graphs (up to cuda_graphs.MAX_GRAPHS)
+    are kept."""
+    short_calls_search(engine, leaves, short, rounds, sampling, device)
+    captures = graph_captures(engine)
+    seconds = short_calls_search(engine, leaves, short, rounds, sampling, device)
+    return seconds, graph_captures(engine) - captures
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,8 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
                           Column("floor_ms", "floor ms", "{:.3f}"), Column("captures", "graph captures")])
     one_leaf_ms = None
     for count in counts:
-        # Room for the steady calls, the short-call search and its forks, with a block to spare per leaf.
-        tokens = own + (CALLS + 1) * steps * 2 + rounds * args.short + steps * rounds
+        # Room per leaf for its own tokens and one call's copy (the longest: the long call), whose first write
+        # copies the leaf's shared last block, with blocks to spare for the search's forks.
+        tokens = own + max(steps, rounds * args.short) + 2 * BLOCK_SIZE
         engine, reason = engine_variant(model, setup, args.attention, None, block_size=BLOCK_SIZE,
                                         num_blocks=-(-prefix // BLOCK_SIZE) + (count + 1) * (-(-tokens // BLOCK_SIZE) + 2) + 8)
         label = {"leaves": count, "weights": weights}
@@ -116,16 +142,12 @@ def main(argv: list[str] | None = None) -> dict:
             table.add(**label, unavailable=reason)
             continue
         leaves = leaves_of(engine, count, prefix_ids, own_ids)
-        # CUDA graphs captured inside the timed calls (a new plan shape as contexts grow, a new batch after a fork):
-        # each costs about three eager forwards, so a few of them move a step's median.
-        graphs = engine._graphs
-        captures_before = graphs.captures if graphs is not None else 0
-        greedy = steady_step_seconds(engine, leaves, steps, GREEDY, setup.device)
-        sampled = steady_step_seconds(engine, leaves, steps, sampler, setup.device)
-        long_call = steady_step_seconds(engine, leaves, rounds * args.short, sampler, setup.device)
-        short = short_calls_step_seconds(engine, leaves, args.short, rounds, sampler, setup.device)
-        captures = (graphs.captures if graphs is not None else 0) - captures_before
-        context = prefix + own + (CALLS + 1) * steps * 2
+        greedy, captures = steady_step_seconds(engine, leaves, steps, GREEDY, setup.device)
+        sampled, sampled_captures = steady_step_seconds(engine, leaves, steps, sampler, setup.device)
+        long_call, long_captures = steady_step_seconds(engine, leaves, rounds * args.short, sampler, setup.device)
+        short, short_captures = short_calls_step_seconds(engine, leaves, args.short, rounds, sampler, setup.device)
+        captures += sampled_captures + long_captures + short_captures
+        context = prefix + own + steps // 2   # a leaf's mean context over a steady call
         floor_s = floors.seconds(costs.weight_bytes + costs.kv_bytes(prefix + count * (context - prefix)), 0.0)
         one_leaf_ms = one_leaf_ms if one_leaf_ms is not None else (greedy * 1e3 if count == 1 else None)
         row = table.add(**label, greedy_ms=greedy * 1e3, sampled_ms=sampled * 1e3, x_greedy=sampled / greedy,

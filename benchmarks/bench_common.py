@@ -127,6 +127,26 @@ def time_calls(fn: Callable[[], Any], device: torch.device, repeats: int, warmup
     return times
 
 
+def generate_on_copies(engine, leaves, steps: int, sampling, device: torch.device, repeats: int,
+                       warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` generate(copies, steps) calls, each on fresh one-child forks of `leaves`
+    (pruned after), after `warmup` such calls untimed. Every call decodes the same tree shapes from the same
+    context lengths, so the CUDA graphs the warm-up captures serve the timed calls: the figure is a steady step.
+    Calling generate on the leaves themselves would grow their contexts from call to call, and each new plan
+    shape costs a capture (about three eager forwards) inside a timed call."""
+    times = []
+    for call in range(warmup + repeats):
+        copies = [engine.fork(leaf, 1)[0] for leaf in leaves]
+        sync(device)
+        started = time.perf_counter()
+        engine.generate(copies, steps, sampling)
+        sync(device)
+        if call >= warmup:
+            times.append(time.perf_counter() - started)
+        engine.prune(copies)
+    return times
+
+
 def per_replay_seconds(run, replays: int, rounds: int = 5) -> float:
     """Median over rounds of (device time of `replays` back-to-back calls of run) / replays."""
     run()

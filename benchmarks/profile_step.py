@@ -7,7 +7,7 @@ For each case (triton attention, CUDA graphs as the engine defaults them):
   3. GPU: torch.profiler kernels over one generate call: device time per step by kernel, busy vs wall;
   4. attention alone: one layer's write_partials and merge, for chunking and tile variants.
 
-    python benchmarks/profile_step.py [--cases a b tot tot8b] [--steps 16] [--smoke]
+    python benchmarks/profile_step.py [--cases a b tot tot8b fork a06b s4 s16 s64] [--steps 16] [--weights fp8] [--smoke]
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import time
 import torch
 
 import dendrite_nb.engine.decode as decode_module
-from bench_common import build_model, engine_variant, free_memory, kernel_seconds, log, parser, random_ids
+from bench_common import (build_model, engine_variant, free_memory, generate_on_copies, kernel_seconds, log, parser,
+                          random_ids)
 from bench_common import setup as make_setup
 from decode_step import CASES, GREEDY, SMOKE_CASES, Case, num_blocks
 from dendrite_nb import Engine, SamplingParams
@@ -29,6 +30,7 @@ from dendrite_nb.cuda_graphs import ForwardGraphs
 from dendrite_nb.forward import ForwardRunner
 from dendrite_nb.kv.cascade import SegmentCache, decode_layout
 from dendrite_nb.kv.tree import BranchTree
+from dendrite_nb.model.quantized_linear import quantize_model
 
 # (owner, attribute, label): the host functions timed per step.
 HOST_PHASES = [
@@ -72,10 +74,13 @@ SMOKE_TOT_8B_CASE = Case("tot8b", "llama-3.1-8b", 32, 5, 4, 5.0)
 TOT_SAMPLING = SamplingParams(temperature=0.8, ignore_eos=True)
 # Many leaves of a small model, where the host's per-row bookkeeping may outlast the GPU's step: fork_decode.py's
 # 1,000 leaves, and decode (a)'s layout (64 leaves under 4,096 tokens) on the 0.6B shape.
+# batch_scaling.py's steps of 4, 16 and 64 leaves off a 512-token prefix (issue 42's target: at most 1.3x one leaf).
 EXTRA_CASES = {"fork": Case("fork", "qwen3-0.6b", 2048, 1000, 16, 0.0),
-               "a06b": Case("a06b", "qwen3-0.6b", 4096, 64, 16, 0.0)}
+               "a06b": Case("a06b", "qwen3-0.6b", 4096, 64, 16, 0.0),
+               **{f"s{n}": Case(f"s{n}", "qwen3-0.6b", 512, n, 16, 0.0) for n in (4, 16, 64)}}
 SMOKE_EXTRA_CASES = {"fork": Case("fork", "qwen3-0.6b", 64, 20, 4, 0.0),
-                     "a06b": Case("a06b", "qwen3-0.6b", 64, 8, 4, 0.0)}
+                     "a06b": Case("a06b", "qwen3-0.6b", 64, 8, 4, 0.0),
+                     **{f"s{n}": Case(f"s{n}", "qwen3-0.6b", 24, n, 4, 0.0) for n in (4, 16, 64)}}
 
 
 class HostTimers:
@@ -174,8 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     arguments.add_argument("--cases", nargs="+", choices=sorted(CASES) + ["tot", "tot8b", *EXTRA_CASES],
                            default=sorted(CASES),
                            help="decode_step.py's cases; tot / tot8b: a step of tree_of_thought.py's 0.6B / 8B "
-                                "search; fork: fork_decode.py's 1,000 leaves; a06b: (a)'s layout on the 0.6B shape")
+                                "search; fork: fork_decode.py's 1,000 leaves; a06b: (a)'s layout on the 0.6B shape; "
+                                "s4/s16/s64: batch_scaling.py's steps of 4/16/64 leaves")
     arguments.add_argument("--steps", type=int, default=16)
+    arguments.add_argument("--weights", choices=["fp8"], default=None, help="quantize the weights first")
+    arguments.add_argument("--search-sampler", action="store_true",
+                           help="sample every case with batch_scaling.py's search sampler (top-k, top-p, min-p)")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     if setup.device.type != "cuda":
@@ -186,7 +195,12 @@ def main(argv: list[str] | None = None) -> None:
                  **(SMOKE_EXTRA_CASES if setup.smoke else EXTRA_CASES)}
         case = cases[key]
         sampling = TOT_SAMPLING if key.startswith("tot") else GREEDY
+        if args.search_sampler:
+            from batch_scaling import search_sampler
+            sampling = search_sampler()
         model = build_model(setup, setup.hf_config(case.shape))
+        if args.weights:
+            quantize_model(model, args.weights)
         vocab = model.config.vocab_size
         engine, reason = engine_variant(model, setup, "triton", None, block_size=16,
                                         num_blocks=num_blocks(case, 8 * args.steps + 16))
@@ -198,34 +212,31 @@ def main(argv: list[str] | None = None) -> None:
             leaves = engine.fork(root, case.leaves)
             engine.append_many(zip(leaves, random_ids(case.own, vocab, seed=2, rows=case.leaves)))
         log(f"\n({key}) {case.shape}, {case.describe()}")
-        engine.generate(leaves, 4, sampling)   # compiles and captures
-        in_call = []
-        for _ in range(3):
-            torch.cuda.synchronize(setup.device)
-            started = time.perf_counter()
-            engine.generate(leaves, args.steps, sampling)
-            torch.cuda.synchronize(setup.device)
-            in_call.append((time.perf_counter() - started) / args.steps)
-        single = []
-        for _ in range(10):
-            torch.cuda.synchronize(setup.device)
-            started = time.perf_counter()
-            engine.generate(leaves, 1, sampling)
-            torch.cuda.synchronize(setup.device)
-            single.append(time.perf_counter() - started)
+        # Every call runs on fresh copies of the leaves (bench_common.generate_on_copies): the same shapes each
+        # time, so what is timed and profiled below replays the graphs the first call captured.
+        in_call = generate_on_copies(engine, leaves, args.steps, sampling, setup.device, repeats=3, warmup=1)
+        in_call = [seconds / args.steps for seconds in in_call]
+        single = generate_on_copies(engine, leaves, 1, sampling, setup.device, repeats=10, warmup=1)
+        captures = engine._graphs.captures
         log(f"  step inside generate(leaves, {args.steps}): {statistics.median(in_call) * 1e3:.3f} ms; "
             f"one generate(leaves, 1) call: {statistics.median(single) * 1e3:.3f} ms")
 
+        copies = [engine.fork(leaf, 1)[0] for leaf in leaves]
         with HostTimers(setup.device) as timers:
             torch.cuda.synchronize(setup.device)
             started = time.perf_counter()
-            engine.generate(leaves, args.steps, sampling)
+            engine.generate(copies, args.steps, sampling)
             wall = time.perf_counter() - started
+        engine.prune(copies)
         log(f"  host phases per step (inclusive; wall {wall * 1e3 / args.steps:.3f} ms/step with timers):")
         for _, _, label in HOST_PHASES + [(None, None, WAIT)]:
             log(f"    {label:<32} {timers.seconds[label] * 1e3 / args.steps:8.3f} ms")
 
-        rows, busy_ms, wall_ms = gpu_kernels(engine, leaves, args.steps, sampling, setup.device)
+        copies = [engine.fork(leaf, 1)[0] for leaf in leaves]
+        rows, busy_ms, wall_ms = gpu_kernels(engine, copies, args.steps, sampling, setup.device)
+        engine.prune(copies)
+        if engine._graphs.captures != captures:
+            log(f"  ({engine._graphs.captures - captures} CUDA graph captures inside the timed calls: not steady)")
         log(f"  GPU: busy {busy_ms:.3f} ms of {wall_ms:.3f} ms wall per step (profiled; idle "
             f"{wall_ms - busy_ms:.3f} ms)")
         log(f"    {'device ms':>9} {'chain ms':>8}  launches  kernel   (chain: the busy time it adds; sums to busy)")
