@@ -15,6 +15,7 @@ next to the copy bandwidth measured here. Every result is first checked against 
 dequantised weight. GPU only, except:
 
     python benchmarks/fp8_products.py [--models 0.6b 8b] [--rows 1 4 16 64 512] [--json out.json]
+    python benchmarks/fp8_products.py --sweep [--models 8b] [--rows 64]   # skinny's fp8 settings, wide tiles too
     TRITON_INTERPRET=1 python benchmarks/fp8_products.py --check   # CPU: tiny shapes, interpreted, float32
 
 --check (or bench_common's --smoke) runs every variant on tiny shapes in Triton's interpreter (on the CPU,
@@ -59,6 +60,11 @@ EPS = 1e-6
 # 1e-2), and for the library path x's e4m3 quantisation too (2-5% of a row, tests/kernels/test_fp8_weights.py).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 SCALED_MM_TOLERANCE = 0.1
+# --sweep: skinny's fp8 settings (BLOCK_N, BLOCK_K, warps, stages), wider tiles of W than the default's 64 rows
+# among them. At 64 rows of x a bf16 chunk of x is as large as a 128-row tile of e4m3 W, and every program
+# reads all of x's chunks from L2: the fewer programs along N, the less of that traffic per byte of W.
+SWEEP_SETTINGS = [(block_n, block_k, warps, stages) for block_n in (64, 128, 256) for block_k in (64, 128)
+                  for warps in (4, 8) for stages in (3, 4)]
 
 
 def make_product(out_features: int, width: int, rows: int, dtype: torch.dtype, device: torch.device,
@@ -132,7 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
                            help="tiny shapes on the CPU in Triton's interpreter, float32; every result checked")
     arguments.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     arguments.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    arguments.add_argument("--sweep", action="store_true",
+                           help="time skinny's fp8 product at SWEEP_SETTINGS and split-K ways (GPU; rows 2-64)")
     args = arguments.parse_args(argv)
+    if args.sweep:
+        return sweep(args)
     if args.check or args.smoke:
         device, dtype = torch.device("cpu"), torch.float32
     else:
@@ -198,6 +208,60 @@ def main(argv: list[str] | None = None) -> dict:
     report.note(f"GB/s: the weight's bytes ({activations}: {torch.finfo(dtype).bits // 8} a weight; fp8: 1 a weight "
                 f"and 4 a row's scale) over the time; the norm and SwiGLU folded in, or their own kernels beside "
                 f"scaled_mm, count in the time")
+    return report.finish(args.json)
+
+
+def sweep(args) -> dict:
+    """Each product of --models at each of --rows (2 to 64, skinny's rows; the norm not folded, as above
+    FOLD_ROWS) through skinny over e4m3 weights at every SWEEP_SETTINGS setting, then split-K ways on the best:
+    the default's time, the best's, and the bf16 weight's default for scale. Each result is checked first."""
+    from dendrite_nb.kernels.skinny import MAX_ROWS, MIN_ROWS, default_config, skinny, stepped_down_configs
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--sweep times CUDA kernels: run it on a GPU.")
+    device, dtype = torch.device(args.device or "cuda"), torch.bfloat16
+    setup = Setup(device, dtype, smoke=False)
+    report = Report("fp8_products_sweep", setup, measure_floors(setup, matmul=False))
+    table = report.table("skinny over e4m3 weights: default setting against the sweep's best (us, L2 flushed)",
+                         [Column("model", "model", label=True), Column("product", "product", label=True),
+                          Column("rows", "rows", label=True), Column("bf16_us", "bf16 default us", "{:.1f}"),
+                          Column("default_us", "fp8 default us", "{:.1f}"), Column("best_us", "fp8 best us", "{:.1f}"),
+                          Column("best", "best (BLOCK_N, BLOCK_K, warps, stages), splits"),
+                          Column("best_gbps", "best GB/s", "{:.0f}")])
+    for model in args.models:
+        for product, (out_features, width, fold) in MODELS[model].items():
+            for rows in (r for r in args.rows if MIN_ROWS <= r <= MAX_ROWS):
+                inputs = make_product(out_features, width, rows, dtype, device, seed=rows)
+                swiglu = fold == "swiglu"
+
+                def call(weight, scale, config=None, splits=None):
+                    return lambda: skinny(inputs["x"], weight, swiglu=swiglu, weight_scale=scale, config=config,
+                                          splits=splits)
+                # No norm folded: above FOLD_ROWS the model normalises x in its own kernel first.
+                expected = F.linear(inputs["x"].float(), inputs["scale"][:, None] * inputs["w8"].float())
+                if swiglu:
+                    half = expected.shape[1] // 2
+                    expected = F.silu(expected[:, :half]) * expected[:, half:]
+                bf16_us = 1e6 * kernel_seconds(call(inputs["weight"], None), device)
+                default = default_config(out_features // (2 if swiglu else 1), width, False, swiglu, rows, True)
+                timed = {}
+                for config in [default, *SWEEP_SETTINGS]:
+                    seconds = checked_seconds(call(inputs["w8"], inputs["scale"], config), expected,
+                                              TOLERANCE[dtype], f"{model} {product} {config}", device)
+                    # skinny steps a setting down where it needs more shared memory than the GPU has: not this one.
+                    if not any(asked == config for asked, _ in stepped_down_configs()):
+                        timed[(config, None)] = 1e6 * seconds
+                best_config = min((key for key in timed if key[0] != default), key=timed.get)[0]
+                for splits in (1, 2, 4, 8):
+                    timed[(best_config, splits)] = 1e6 * kernel_seconds(
+                        call(inputs["w8"], inputs["scale"], best_config, splits), device)
+                best = min(timed, key=timed.get)
+                fp8_bytes = out_features * width + 4 * out_features
+                table.add(model=model, product=product, rows=rows, bf16_us=bf16_us, default_us=timed[(default, None)],
+                          best_us=timed[best], best=f"{best[0]}, {best[1] or 'default'}",
+                          best_gbps=fp8_bytes / timed[best] / 1e3)
+                log(f"{model} {product} {rows} rows: bf16 {bf16_us:.1f} us, fp8 default {timed[(default, None)]:.1f}, "
+                    f"best {timed[best]:.1f} at {best}")
     return report.finish(args.json)
 
 

@@ -6,18 +6,18 @@ Every path applies the scale to the float32 result of x @ W8.T, column by column
 cast to x's dtype; it is the same product, rounded once.
 
 On a CUDA GPU with e4m3 tensor cores (compute capability 8.9 and later: Ada, Hopper, Blackwell), through
-torch._scaled_mm with row-wise scales: x is quantised per row to e4m3 on the fly (kv/fp8.quantize: each
-row's largest magnitude maps to 448), its scale [M, 1] and the weight's [1, N] apply in the library's
-epilogue. Why the library here and our kernels for decode steps: at hundreds of rows a product is bound by
+torch._scaled_mm with row-wise scales: x is quantised per row to e4m3 on the fly (row_quantize.py, one launch,
+the arithmetic of kv/fp8.quantize: each row's largest magnitude maps to 448), its scale [M, 1] and the weight's
+[1, N] apply in the library's epilogue. Why the library here and our kernels for decode steps: at hundreds of rows a product is bound by
 tensor-core time, and fp8 tensor cores run at twice bf16's rate on tiles cuBLASLt (or CUTLASS) has tuned for
 such shapes; at the few rows of a decode step it is bound by the weight's bytes, which gemv.py and skinny.py
 read as fp8 (half of bf16's), keeping x at full precision, where they already beat cuBLAS (products.py).
 Measured on an H200 (benchmarks/fp8_products.py): at 1-16 rows our kernels beat this path on every 0.6B and
 8B projection and LM head but the 8B gate/up at 4 and 16 rows; at 512 rows this path beat bf16 cuBLAS on the
-8B gate/up and the LM heads (1.2-1.7x) and lost elsewhere (0.2-0.63x). x's quantisation is seven small
-eager kernels (cast, abs, amax, scale, clamp, divide, cast), and the path costs about 20 us even where the
+8B gate/up and the LM heads (1.2-1.7x) and lost elsewhere (0.2-0.63x). x's quantisation was then seven small
+eager kernels (cast, abs, amax, scale, clamp, divide, cast), and the path cost about 20 us even where the
 product itself is 2 (0.6B o_proj at one row: 22 us), which a small product does not earn back (at 512 rows
-33 us against bf16's 7). A fused quantisation kernel would take most of that away. Quantising x costs
+33 us against bf16's 7); row_quantize.py now does it in one launch. Quantising x costs
 accuracy too: 2-5% of an output row on random data, where the weight's e4m3 alone costs a fraction of a percent.
 
 Elsewhere (the CPU, older GPUs, widths cuBLASLt refuses: K or N not a multiple of 16), the weight is widened
@@ -32,6 +32,7 @@ import torch
 from torch.nn import functional as F
 
 from ..kv.fp8 import FP8_DTYPE, quantize
+from .row_quantize import row_quantize
 
 E4M3_CAPABILITY = (8, 9)  # the first GPUs with e4m3 in hardware: Triton's fp8e4nv and _scaled_mm need them
 SCALED_MM_MULTIPLE = 16  # cuBLASLt's fp8 products need K and N to be multiples of it
@@ -87,7 +88,8 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     """x [M, K] @ dequantised weight.T through torch._scaled_mm with row-wise scales, x quantised per row to
     e4m3; float32 accumulation, the result in x's dtype. The library takes a bias only in a 16-bit dtype equal
     to the output's: a float32 product adds its bias afterwards."""
-    x8, x_scale = quantize(x)  # [M, K] e4m3, [M] float32
+    # [M, K] e4m3, [M] float32; the same values either way (torch's CPU _scaled_mm serves the tests).
+    x8, x_scale = row_quantize(x) if x.is_cuda else quantize(x)
     fused_bias = bias is not None and x.dtype in (torch.bfloat16, torch.float16) and bias.dtype == x.dtype
     # weight.t(): [K, N] column-major, the layout cuBLASLt's fp8 products take for their second operand.
     y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],

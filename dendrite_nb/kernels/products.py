@@ -47,6 +47,9 @@ from .swiglu import silu_mul
 
 GEMV_ROWS = 1  # the most rows sent to gemv
 SKINNY_ROWS = 64  # the most rows sent to skinny (at most skinny.MAX_ROWS)
+# The most rows whose product over an fp8 weight skinny takes; more go to fp8_linear (x quantised to e4m3 in
+# one launch, torch._scaled_mm), in graphs too.
+FP8_SKINNY_ROWS = SKINNY_ROWS
 _graph_depth = 0  # graph_products() blocks entered and not yet left
 
 
@@ -74,7 +77,8 @@ def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
     if rows <= GEMV_ROWS:
         return "gemv"
     eager_gpu = x.is_cuda and not _graph_depth
-    return "skinny" if MIN_ROWS <= rows <= SKINNY_ROWS and not eager_gpu else "cublas"
+    most = FP8_SKINNY_ROWS if weight.dtype == FP8_DTYPE and has_e4m3(x.device) else SKINNY_ROWS
+    return "skinny" if MIN_ROWS <= rows <= most and not eager_gpu else "cublas"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
