@@ -153,9 +153,18 @@ def filtered_on_device(logits: torch.Tensor, params: list[SamplingParams],
     sampler = _filtered_samplers.get(logits.device)
     if sampler is None:
         sampler = _filtered_samplers[logits.device] = FilteredSampler(logits.device)
-    advances = [draw_numbers(logits.shape[1], p.greedy, p.filtered) for p in params]
-    return sampler(logits, [0.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
-                   [p.top_p for p in params], [p.min_p for p in params], *_philox_keys(generators, advances))
+    rows, first = len(params), params[0]
+    # A batch's rows mostly share one setting: its numbers are then worked out once, not once a row (64 rows'
+    # worth of attribute reads cost a host-bound step of a 0.6B model about a tenth of its time).
+    if all(p is first for p in params):
+        advances = [draw_numbers(logits.shape[1], first.greedy, first.filtered)] * rows
+        settings = ([0.0 if first.greedy else first.temperature] * rows, [first.top_k] * rows,
+                    [first.top_p] * rows, [first.min_p] * rows)
+    else:
+        advances = [draw_numbers(logits.shape[1], p.greedy, p.filtered) for p in params]
+        settings = ([0.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
+                    [p.top_p for p in params], [p.min_p for p in params])
+    return sampler(logits, *settings, *_philox_keys(generators, advances))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator],

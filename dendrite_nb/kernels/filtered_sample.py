@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -235,10 +236,11 @@ class FilteredSampler:
         if any(len(values) != rows for values in settings):
             raise ValueError(f"filtered_sample needs a temperature, top_k, top_p, min_p, seed and offset per row; "
                              f"got {[len(values) for values in settings]} for {rows} rows.")
-        bad = [row for row in range(rows) if not (0 <= temperatures[row] < float("inf") and top_k[row] >= 0
-                                                  and 0 < top_p[row] <= 1 and 0 <= min_p[row] <= 1)]
-        if bad:
-            row = bad[0]
+        # Bounds over whole columns first (a row at a time costs a 64-row step tens of microseconds of host time).
+        t, k, p, m = (np.asarray(values, dtype=np.float64) for values in (temperatures, top_k, top_p, min_p))
+        if not np.all((t >= 0) & (t < np.inf) & (k >= 0) & (p > 0) & (p <= 1) & (m >= 0) & (m <= 1)):  # NaN fails
+            row = next(row for row in range(rows) if not (0 <= temperatures[row] < float("inf") and top_k[row] >= 0
+                                                          and 0 < top_p[row] <= 1 and 0 <= min_p[row] <= 1))
             raise ValueError(f"filtered_sample needs per row a temperature >= 0, top_k >= 0, top_p in (0, 1] and "
                              f"min_p in [0, 1]; row {row} has {temperatures[row]}, {top_k[row]}, {top_p[row]}, "
                              f"{min_p[row]}.")
@@ -283,9 +285,11 @@ class FilteredSampler:
         host = self._staging.numpy()
         ints = host[: 3 * rows].reshape(rows, 3)
         ints[:, 0], ints[:, 1] = seeds, offsets
-        ints[:, 2] = [k if k < vocab else 0 for k in top_k]
+        top_k_row = np.asarray(top_k, dtype=np.int64)
+        ints[:, 2] = np.where(top_k_row < vocab, top_k_row, 0)
         floats = host[3 * rows: words].view("float32").reshape(rows, 4)
-        floats[:, 0] = [1.0 / t if t > 0 else 0.0 for t in temperatures]
+        temperature_row = np.asarray(temperatures, dtype=np.float64)  # 1 / t in float64, then stored as float32
+        floats[:, 0] = np.divide(1.0, temperature_row, out=np.zeros(rows), where=temperature_row > 0)
         floats[:, 1], floats[:, 2], floats[:, 3] = top_p, min_p, 0.0
         if self.device.type == "cuda":
             self._uploaded[:words].copy_(self._staging[:words], non_blocking=True)

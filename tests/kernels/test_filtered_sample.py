@@ -224,7 +224,7 @@ def test_bad_arguments_raise_before_launching():
     with pytest.raises(ValueError, match="per row"):
         sampler(logits, **{**good, "seeds": [1]})
     for name, value in (("temperatures", [1.0, -1.0]), ("top_p", [0.9, 0.0]), ("min_p", [1.5, 0.0]),
-                        ("top_k", [-1, 0])):
+                        ("top_k", [-1, 0]), ("temperatures", [1.0, float("nan")]), ("top_p", [float("nan"), 0.9])):
         with pytest.raises(ValueError, match="row [01] has"):
             sampler(logits, **{**good, name: value})
     with pytest.raises(ValueError, match="multiple of segment"):
