@@ -52,7 +52,8 @@ from peers.gguf_copies import COPY_TYPES, gguf_copy
 from peers.llama_cpp_peer import LlamaCppModel, LlamaSetting
 from peers.quiet import Guard
 from peers.sweep import WARM_UP_CELLS, WARM_UP_SEQUENCES, Variant, run_workload
-from peers.systems import EngineSystem, LlamaSystem
+from peers.llama_system import LlamaSystem
+from peers.systems import EngineSystem
 from peers.texts import QUESTIONS, make_texts
 from peers.workloads import BestOfN, FanOut, ForkCost, Mcts, Prefill, TreeOfThought, TreeOfThoughtDeep
 from serve import git_commit, gguf_costs, stored_bytes

@@ -1,7 +1,8 @@
 """llama.cpp as a benchmark peer: a GGUF loaded through llama-cpp-python's low-level bindings, offering the
 few operations the engine offers, on sequence ids of one unified KV cache.
 
-  LlamaCppModel(path)                 the weights, loaded once (memory-mapped) and shared by every context
+  LlamaCppModel(path, n_gpu_layers)   the weights, loaded once (memory-mapped; n_gpu_layers -1: all on the GPU
+                                      of a CUDA build) and shared by every context
   LlamaCppPeer(model, setting, ...)   one llama_context at one setting (threads, flash attention, KV type) with
                                       kv_unified on, so that a fork tags the parent's cells instead of copying
                                       them, and n_seq_max sequence ids handed out from a free list
@@ -15,10 +16,14 @@ few operations the engine offers, on sequence ids of one unified KV cache.
 A LlamaSequence also keeps the tokens it was given but not yet fed (`pending`): greedy decoding hands a sampled token
 back to the caller at once and feeds it with the next llama_decode, as llama.cpp's own batched examples do, so a
 generate of n tokens right after a feed costs n - 1 decodes, and its last token is fed by whatever comes next (a
-fork copies it as pending). Greedy only: sampling is not what the benchmarks compare.
+fork copies it as pending). Greedy only: sampling is not what the benchmarks compare. The greedy choice is made
+either on the host from the logits llama.cpp hands back (numpy's argmax), or, with a setting's backend_sampling, by
+llama.cpp's backend sampler (a greedy sampler chain per sequence id, run in the decode's own graph on the device
+that holds the logits; the logits then stay there).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,31 +33,10 @@ import llama_cpp._logger
 import numpy as np
 from llama_cpp import llama_cpp as lib
 
-KV_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "q8_0": lib.GGML_TYPE_Q8_0}
+from .llama_types import KV_TYPE_NAMES, LlamaCppError, LlamaSetting
+
+KV_TYPES = {name: getattr(lib, f"GGML_TYPE_{name.upper()}") for name in KV_TYPE_NAMES}
 DEFAULT_BATCH_TOKENS = 512  # n_batch = n_ubatch: tokens per llama_decode call (a longer feed is split)
-
-
-class LlamaCppError(RuntimeError):
-    """llama.cpp refused a load, a context or a decode; the message says which and what to change."""
-
-
-@dataclass(frozen=True)
-class LlamaSetting:
-    """A context's knobs that change its speed (not its results, up to rounding)."""
-
-    threads: int
-    flash_attn: bool
-    kv_type: str  # a key of KV_TYPES
-
-    def __post_init__(self) -> None:
-        if self.kv_type not in KV_TYPES:
-            raise ValueError(f"kv_type {self.kv_type!r} is not one of {sorted(KV_TYPES)}.")
-        if self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}.")
-
-    def describe(self) -> str:
-        return f"{self.threads} thread{'s' if self.threads > 1 else ''}, FA {'on' if self.flash_attn else 'off'}, " \
-               f"KV {self.kv_type}"
 
 
 @dataclass(eq=False)
@@ -82,15 +66,17 @@ def _init_backend() -> None:
 
 
 class LlamaCppModel:
-    """A GGUF's weights in llama.cpp (CPU, memory-mapped), shared by every LlamaCppPeer made from it."""
+    """A GGUF's weights in llama.cpp (memory-mapped, on the GPU where n_gpu_layers says), shared by every LlamaCppPeer
+    made from it."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0):
         _init_backend()
         self.path = Path(path)
         if not self.path.is_file():
             raise LlamaCppError(f"no GGUF file at {str(self.path)!r}; pass the path of a .gguf file.")
         params = lib.llama_model_default_params()
-        params.n_gpu_layers = 0
+        params.n_gpu_layers = n_gpu_layers
+        self.n_gpu_layers = n_gpu_layers
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {str(self.path)!r} (set LLAMA_CPP_VERBOSE=1 to see why).")
@@ -121,6 +107,7 @@ class LlamaCppPeer:
 
     def __init__(self, model: LlamaCppModel, setting: LlamaSetting, n_ctx: int, n_seq_max: int = 64,
                  batch_tokens: int = DEFAULT_BATCH_TOKENS):
+        self._ctx, self._samplers = None, []   # what close() reads, should a check below refuse the peer
         max_seq = lib.llama_max_parallel_sequences()
         if not 1 <= n_seq_max <= max_seq:
             raise ValueError(f"n_seq_max must be within 1..{max_seq} (llama.cpp's LLAMA_MAX_SEQ), got {n_seq_max}.")
@@ -137,8 +124,16 @@ class LlamaCppPeer:
         params.type_k = params.type_v = KV_TYPES[setting.kv_type]
         params.kv_unified = True   # one cell pool for all sequences: a fork tags cells, it copies nothing
         params.no_perf = True
+        self._samplers = [self._greedy_chain() for _ in range(n_seq_max)] if setting.backend_sampling else []
+        if self._samplers:
+            # The configs must outlive the call only; llama.cpp keeps the chains, which close() frees after it.
+            configs = (lib.llama_sampler_seq_config * n_seq_max)()
+            for seq_id, chain in enumerate(self._samplers):
+                configs[seq_id].seq_id, configs[seq_id].sampler = seq_id, ctypes.cast(chain, ctypes.c_void_p)
+            params.samplers, params.n_samplers = configs, n_seq_max
         self._ctx = lib.llama_init_from_model(model._model, params)
         if not self._ctx:
+            self._free_samplers()
             raise LlamaCppError(f"llama.cpp could not make a context at {setting.describe()} with n_ctx {n_ctx:,} "
                                 f"(a quantized V cache needs flash attention on; set LLAMA_CPP_VERBOSE=1 for why).")
         self.n_ctx = lib.llama_n_ctx(self._ctx)
@@ -237,8 +232,18 @@ class LlamaCppPeer:
         return [s.next_token for s, _ in rows]
 
     def _argmax(self, slot: int) -> int:
-        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, slot), shape=(self.model.n_vocab,))
-        return int(logits.argmax())
+        if self._samplers:
+            token = lib.llama_get_sampled_token_ith(self._ctx, slot)
+            if token < 0:
+                raise LlamaCppError(f"llama.cpp's backend sampler gave no token for batch row {slot} (LLAMA_TOKEN_NULL);"
+                                    f" run with backend_sampling off.")
+            return int(token)
+        return int(self.logits(slot).argmax())
+
+    def logits(self, slot: int) -> np.ndarray:
+        """float32 [n_vocab] logits of batch row `slot` of the last llama_decode (host sampling only: with
+        backend_sampling they stay on the device). A view into llama.cpp's buffer: the next decode overwrites it."""
+        return np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, slot), shape=(self.model.n_vocab,))
 
     def generate(self, sequences: list[LlamaSequence], max_new_tokens: int) -> list[list[int]]:
         """Greedy: max_new_tokens per sequence, all sequences in one llama_decode per step; the last token of each
@@ -259,12 +264,25 @@ class LlamaCppPeer:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.model.tokenize(text, add_special)
 
-    # ---- teardown -----------------------------------------------------------------------------
+    # ---- backend samplers and teardown --------------------------------------------------------
+    @staticmethod
+    def _greedy_chain():
+        """A sampler chain of llama.cpp's greedy sampler alone (backend samplers must be chains)."""
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+        return chain
+
+    def _free_samplers(self) -> None:
+        for chain in self._samplers:
+            lib.llama_sampler_free(chain)
+        self._samplers = []
+
     def close(self) -> None:
         if self._ctx:
             lib.llama_batch_free(self._batch)
             lib.llama_free(self._ctx)
             self._ctx = None
+            self._free_samplers()
 
     def __del__(self) -> None:
         self.close()

@@ -9,10 +9,10 @@ from gguf import LlamaFileType
 
 from bench_common import Column, Floors, ModelCosts, Report
 from dendrite_nb import Engine
-from serve import gguf_costs
 
 from .llama_cpp_peer import LlamaCppModel, LlamaCppPeer, LlamaSetting
-from .sweep import Outcome, Trial
+from .report_text import first_difference, seconds_text, tokens_text
+from .sweep import Outcome
 from .systems import GREEDY
 from .workloads import Forward, Texts
 
@@ -33,6 +33,8 @@ def file_type_name(file_type: int | None) -> str:
 
 def engine_weight_bytes(checkpoint: Any, label: str, weights: str | None) -> float:
     """Bytes of the weights one decode step reads as the engine holds them (dtype, or --weights for 2-D tensors)."""
+    from serve import gguf_costs   # here: serve.py needs httpx and openai, which a GPU machine may lack
+
     dtype = label.split(",")[0]
     per_value = ENGINE_BYTES_PER_VALUE.get(dtype, 4.0)
     quantized = WEIGHTS_BYTES_PER_VALUE.get(weights or "", per_value)
@@ -44,14 +46,6 @@ def llama_version() -> str:
     import llama_cpp
 
     return llama_cpp.__version__
-
-
-def first_difference(ours: list[int], theirs: list[int]) -> int | None:
-    """Index of the first token that differs (or where one list ends early); None when equal."""
-    for index, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            return index
-    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
 def sanity_lines(engine: Engine, label: str, models: dict[str, LlamaCppModel], texts: Texts,
@@ -83,29 +77,12 @@ def sanity_lines(engine: Engine, label: str, models: dict[str, LlamaCppModel], t
     return lines
 
 
-def seconds_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds * 1e6:.1f} us"
-
-
 def floor_seconds(forwards: list[Forward], weight_bytes: float, costs: ModelCosts, floors: Floors) -> float | None:
     """Each forward: the larger of its weight bytes over the copy bandwidth and its FLOPs over the matmul rate."""
     if not forwards:
         return None
     return sum(floors.seconds(weight_bytes, f.rows * costs.prefill_flops(f.tokens, f.context, heads=1))
                for f in forwards)
-
-
-def tokens_text(trial: Trial, reference: Trial) -> str:
-    if not reference.tokens:
-        return "-"
-    where = first_difference(reference.tokens, trial.tokens)
-    return "same" if where is None else f"differ from {where} of {len(reference.tokens)}"
 
 
 def fill(report: Report, outcomes: list[Outcome], costs: ModelCosts, floors: Floors, repeats: int) -> None:

@@ -19,12 +19,14 @@ import itertools
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from .llama_cpp_peer import LlamaCppError, LlamaSetting
+from .llama_types import LlamaCppError, LlamaSetting
 from .quiet import Guard
-from .systems import System
 from .workloads import Texts, Workload
+
+if TYPE_CHECKING:   # annotations only: llama_worker.py imports this module in a process without torch
+    from .systems import System
 
 
 @dataclass(eq=False)
@@ -32,8 +34,10 @@ class Variant:
     system: str  # "engine" or "llama.cpp"
     setting: str  # what the report names, e.g. "float32" or "q4_1, 2 threads, FA off, KV f16"
     weight_bytes: float  # read by one decode step (layers, final norm, LM head): the decode floor's bytes
-    open: Callable[[Workload], System]
+    open: Callable[[Workload], System] | None  # None: `session` makes the variant's sessions
     close_after: bool  # llama.cpp contexts are made per workload and closed after it; the engine stays
+    # A session that runs elsewhere (llama_worker.RemoteSession: another process), with Session's run and close.
+    session: Callable[[Workload, Texts], Any] | None = None
 
 
 @dataclass
@@ -61,6 +65,19 @@ WARM_UP_SEQUENCES, WARM_UP_CELLS = 5, 256  # what warm_up needs of a llama.cpp c
 def first_run(trial: Trial, key: str) -> float:
     """The trial's sweep figure; an unavailable variant never wins."""
     return trial.runs[0][key] if trial.runs else float("inf")
+
+
+def open_session(variant: Variant, workload: Workload, texts: Texts) -> Any:
+    """The variant's own kind of session (Variant.session), or a Session in this process."""
+    return variant.session(workload, texts) if variant.session is not None else Session(variant, workload, texts)
+
+
+def warm_run(system: System, workload: Workload) -> System:
+    """`system` after one untimed run of the whole workload (a GPU's graph captures and allocations for its shapes)."""
+    state = workload.prepare(system)
+    workload.run(system, state)
+    system.reset()
+    return system
 
 
 def warm_up(system: System, texts: Texts) -> None:
@@ -95,7 +112,7 @@ class Session:
 
 def run_once(trial: Trial, workload: Workload, texts: Texts, guard: Guard, log: Callable[[str], None]) -> None:
     try:
-        session = Session(trial.variant, workload, texts)
+        session = open_session(trial.variant, workload, texts)
     except LlamaCppError as error:   # e.g. a quantized V cache without flash attention
         trial.unavailable = str(error)
         log(f"    {trial.variant.system} {trial.variant.setting}: unavailable: {error}")
@@ -161,7 +178,7 @@ def run_workload(workload: Workload, texts: Texts, engines: list[Variant], files
     if repeats > 1:
         log(f"  best: engine {best['engine'].variant.setting}; llama.cpp {best['llama.cpp'].variant.setting}; "
             f"{repeats - 1} more runs each, alternating")
-        sessions = [Session(t.variant, workload, texts) for t in best.values()]
+        sessions = [open_session(t.variant, workload, texts) for t in best.values()]
         try:
             for _ in range(repeats - 1):
                 for trial, session in zip(best.values(), sessions):

@@ -1,22 +1,26 @@
-"""The five calls every benchmarked system offers, so that each workload (workloads.py) is written once and run
+"""The calls every benchmarked system offers, so that each workload (workloads.py) is written once and run
 unchanged on this engine and on llama.cpp: root (prefill a prompt from empty), fork, extend (prefill several
-branches' tokens in shared forwards), generate (greedy, all given branches in one batch per step) and prune.
+branches' tokens in shared forwards), generate (greedy, all given branches in one batch per step), step (each
+branch's next token chosen and fed: one forward of all of them) and prune.
 
   EngineSystem   dendrite_nb's Engine through its public API only: new_branch, fork, append_many, generate, prune.
-  LlamaSystem    llama.cpp through LlamaCppPeer (llama_cpp_peer.py): sequence ids of one unified KV cache.
+  LlamaSystem    llama.cpp through LlamaCppPeer (llama_cpp_peer.py): sequence ids of one unified KV cache; in
+                 llama_system.py, which imports neither torch nor the engine (a worker process runs it alone).
 
 Both take and return token ids: the prompts are tokenized once, by the engine's tokenizer, and the same ids go to
 both (the script checks that llama.cpp's tokenizer agrees). Handles are whatever the system's own are (an engine
-Branch, a LlamaSequence); a workload only passes them back.
+Branch, a LlamaSequence); a workload only passes them back. Every call returns once its work is done, so that a
+timed region ends with it: llama.cpp's decodes read their results back, and on a GPU the engine's calls wait for
+the device (a prefill, a fork's copy-on-write, an append would otherwise still run on it).
 """
 from __future__ import annotations
 
 import itertools
 from typing import Any, Protocol
 
+from bench_common import sync
 from dendrite_nb import Engine, SamplingParams
 
-from .llama_cpp_peer import LlamaCppModel, LlamaCppPeer, LlamaSetting
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)  # every run decodes exactly the asked number of tokens
 
@@ -28,6 +32,7 @@ class System(Protocol):
     def fork(self, handle: Any, n: int) -> list[Any]: ...
     def extend(self, items: list[tuple[Any, list[int]]]) -> None: ...
     def generate(self, handles: list[Any], max_new_tokens: int) -> list[list[int]]: ...
+    def step(self, handles: list[Any]) -> list[int]: ...
     def prune(self, handles: list[Any]) -> None: ...
     def reset(self) -> None: ...   # everything pruned; not timed
     def close(self) -> None: ...
@@ -41,19 +46,29 @@ class EngineSystem:
         self._names = itertools.count()
 
     def root(self, tokens: list[int]) -> Any:
-        return self.engine.new_branch(f"r{next(self._names)}", tokens)
+        branch = self.engine.new_branch(f"r{next(self._names)}", tokens)
+        sync(self.engine.device)
+        return branch
 
     def fork(self, handle: Any, n: int) -> list[Any]:
-        return self.engine.fork(handle, n)
+        kids = self.engine.fork(handle, n)
+        sync(self.engine.device)
+        return kids
 
     def extend(self, items: list[tuple[Any, list[int]]]) -> None:
         self.engine.append_many(items)
+        sync(self.engine.device)
 
     def generate(self, handles: list[Any], max_new_tokens: int) -> list[list[int]]:
         return self.engine.generate(handles, max_new_tokens, GREEDY)
 
+    def step(self, handles: list[Any]) -> list[int]:
+        """generate(handles, 1): each token is sampled from the logits after the branch's end, then fed."""
+        return [row[0] for row in self.engine.generate(handles, 1, GREEDY)]
+
     def prune(self, handles: list[Any]) -> None:
         self.engine.prune(list(handles))
+        sync(self.engine.device)
 
     def reset(self) -> None:
         if self.engine.branches:
@@ -61,35 +76,3 @@ class EngineSystem:
 
     def close(self) -> None:
         self.reset()
-
-
-class LlamaSystem:
-    """llama.cpp at one setting, one context sized for one workload (n_ctx cells, n_seq_max sequence ids)."""
-
-    def __init__(self, model: LlamaCppModel, weights: str, setting: LlamaSetting, n_ctx: int, n_seq_max: int):
-        self.peer = LlamaCppPeer(model, setting, n_ctx, n_seq_max)
-        self.weights, self.setting = weights, setting
-        self.label = f"llama.cpp {weights}, {setting.describe()}"
-
-    def root(self, tokens: list[int]) -> Any:
-        sequence = self.peer.new_sequence()
-        self.peer.feed([(sequence, tokens)])
-        return sequence
-
-    def fork(self, handle: Any, n: int) -> list[Any]:
-        return self.peer.fork(handle, n)
-
-    def extend(self, items: list[tuple[Any, list[int]]]) -> None:
-        self.peer.feed(list(items))
-
-    def generate(self, handles: list[Any], max_new_tokens: int) -> list[list[int]]:
-        return self.peer.generate(list(handles), max_new_tokens)
-
-    def prune(self, handles: list[Any]) -> None:
-        self.peer.prune(list(handles))
-
-    def reset(self) -> None:
-        self.peer.clear()
-
-    def close(self) -> None:
-        self.peer.close()

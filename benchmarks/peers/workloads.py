@@ -17,9 +17,10 @@ import gc
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .systems import System
+if TYPE_CHECKING:   # annotations only: llama_worker.py runs workloads in a process without torch or the engine
+    from .systems import System
 
 
 class Forward(NamedTuple):
@@ -156,6 +157,43 @@ class ForkCost(Workload):
         finally:
             gc.enable()
         return figures, []
+
+
+# ---- many forks, one step -----------------------------------------------------------------------
+class ForkStep(Workload):
+    """benchmarks/fork_decode.py's shape: `leaves` forks of a prefilled branch in one call, then the first decode
+    step of all of them (System.step: each leaf's first token chosen from the branch's last logits and fed, one
+    forward of `leaves` rows over the shared prefix), then their prunes. GC is off while the fork is timed."""
+
+    def __init__(self, texts: Texts, prefix: int, leaves: int):
+        self.ids, self.leaves = texts.document[:prefix], leaves
+        self.name = f"{leaves:,} forks of a {len(self.ids):,}-token branch, then their first decode step"
+        self.metrics = [Metric("step", f"first step, {leaves:,} leaves, {len(self.ids):,}-token prefix",
+                               [Forward(leaves, 1, len(self.ids))]),
+                        Metric("fork", f"fork x{leaves:,} (one call), {len(self.ids):,}-token branch", [])]
+
+    def cells(self) -> int:
+        return cells_for(len(self.ids) + 2 * self.leaves)
+
+    def sequences(self) -> int:
+        return 1 + self.leaves
+
+    def prepare(self, system):
+        return system.root(self.ids)
+
+    def run(self, system, root):
+        gc.disable()
+        try:
+            started = Clock.now()
+            kids = system.fork(root, self.leaves)
+            figures = started.figures("fork")
+        finally:
+            gc.enable()
+        started = Clock.now()
+        tokens = system.step(kids)
+        figures |= started.figures("step")
+        system.prune(kids)
+        return figures, tokens
 
 
 # ---- fan-out ----------------------------------------------------------------------------------

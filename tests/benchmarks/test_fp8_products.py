@@ -2,10 +2,8 @@
 interpreter and is checked against the float32 reference, so the script keeps working between GPU runs."""
 from __future__ import annotations
 
-import json
 import math
 
-import pytest
 
 from tests.support.benchmark_check import run_check
 

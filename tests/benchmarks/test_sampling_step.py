@@ -4,7 +4,6 @@ working between GPU runs; its table holds each row count's variants with figures
 from __future__ import annotations
 
 import importlib
-import json
 import math
 
 import pytest
