@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -236,9 +235,10 @@ class FilteredSampler:
         if any(len(values) != rows for values in settings):
             raise ValueError(f"filtered_sample needs a temperature, top_k, top_p, min_p, seed and offset per row; "
                              f"got {[len(values) for values in settings]} for {rows} rows.")
-        # Bounds over whole columns first (a row at a time costs a 64-row step tens of microseconds of host time).
-        t, k, p, m = (np.asarray(values, dtype=np.float64) for values in (temperatures, top_k, top_p, min_p))
-        if not np.all((t >= 0) & (t < np.inf) & (k >= 0) & (p > 0) & (p <= 1) & (m >= 0) & (m <= 1)):  # NaN fails
+        # Each distinct value once (a batch's rows mostly share their settings), then a row at a time only to
+        # name the bad one. NaN fails every comparison, so it is refused too.
+        if not (all(0 <= t < float("inf") for t in set(temperatures)) and all(k >= 0 for k in set(top_k))
+                and all(0 < p <= 1 for p in set(top_p)) and all(0 <= m <= 1 for m in set(min_p))):
             row = next(row for row in range(rows) if not (0 <= temperatures[row] < float("inf") and top_k[row] >= 0
                                                           and 0 < top_p[row] <= 1 and 0 <= min_p[row] <= 1))
             raise ValueError(f"filtered_sample needs per row a temperature >= 0, top_k >= 0, top_p in (0, 1] and "
@@ -285,11 +285,9 @@ class FilteredSampler:
         host = self._staging.numpy()
         ints = host[: 3 * rows].reshape(rows, 3)
         ints[:, 0], ints[:, 1] = seeds, offsets
-        top_k_row = np.asarray(top_k, dtype=np.int64)
-        ints[:, 2] = np.where(top_k_row < vocab, top_k_row, 0)
+        ints[:, 2] = [k if k < vocab else 0 for k in top_k]
         floats = host[3 * rows: words].view("float32").reshape(rows, 4)
-        temperature_row = np.asarray(temperatures, dtype=np.float64)  # 1 / t in float64, then stored as float32
-        floats[:, 0] = np.divide(1.0, temperature_row, out=np.zeros(rows), where=temperature_row > 0)
+        floats[:, 0] = [1.0 / t if t > 0 else 0.0 for t in temperatures]
         floats[:, 1], floats[:, 2], floats[:, 3] = top_p, min_p, 0.0
         if self.device.type == "cuda":
             self._uploaded[:words].copy_(self._staging[:words], non_blocking=True)
