@@ -1,5 +1,6 @@
-"""Fixtures for every test folder: tiny HF checkpoints written once per test session, the real model, an engine;
-and the gpu/browser skips. Helpers that tests import are in tests/support/."""
+"""Fixtures for every test folder: tiny HF checkpoints written once per test session, the real model and engines
+around its weights loaded once, an engine; the gpu/browser skips, and the GPU compile checks last. Helpers that
+tests import are in tests/support/."""
 import os
 
 import pytest
@@ -17,8 +18,12 @@ def pytest_collection_modifyitems(config, items):
     from tests.support import gpu_compile_runs
     from tests.support.lab_session import missing_requirements
 
-    if any(item.nodeid.startswith("tests/kernels/test_gpu_compile.py") for item in items):
+    compile_checks = [item for item in items if item.nodeid.startswith("tests/kernels/test_gpu_compile.py")]
+    if compile_checks:
         gpu_compile_runs.start()  # minutes of compiling, beside the other tests
+        # Their checks run last: in their own place, a third of the way in, CI waited about 50 s for the
+        # compiles; by the end of the session they are done.
+        items[:] = [item for item in items if item not in compile_checks] + compile_checks
 
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on a GPU machine with `pytest -m gpu`")
     missing = missing_requirements()
@@ -56,6 +61,21 @@ def real_gguf():
     from dendrite_nb import demo_model
 
     return demo_model()
+
+
+@pytest.fixture(scope="session")
+def demo_engine(real_gguf):
+    """demo_engine(**options) -> a new Engine on the demo model, as Engine.from_pretrained(real_gguf, **options)
+    builds it (its own pool, tree and settings), around weights loaded once per session: each load takes seconds,
+    and engines around one model object work independently (Engine.close). Tests of loading load their own."""
+    loaded = Engine.from_pretrained(real_gguf, num_blocks=1)
+
+    def make(**options) -> Engine:
+        engine = Engine(loaded.model, loaded.tokenizer, **options)
+        engine.source = dict(loaded.source)
+        return engine
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -49,8 +49,8 @@ def loaded(family, folders):
 
 
 @pytest.fixture(scope="module")
-def smollm2(real_gguf):
-    return Engine.from_pretrained(real_gguf, num_blocks=256)
+def smollm2(demo_engine):
+    return demo_engine(num_blocks=256)
 
 
 @pytest.fixture(scope="module", params=["llama3.1", "qwen2.5", "smollm2"])

@@ -57,9 +57,9 @@ def test_names_of_any_other_text_are_taken(engine, tmp_path):
 
 # ---- a prompt too long for the context is refused before it is tokenized -------------------------------------------
 @pytest.fixture(scope="module")
-def smol(real_gguf):
+def smol(demo_engine):
     """The real SmolLM2-135M (8,192 positions, byte-level BPE), one engine for the module."""
-    return Engine.from_pretrained(real_gguf, num_blocks=48)
+    return demo_engine(num_blocks=48)
 
 
 @pytest.fixture

@@ -137,8 +137,8 @@ REAL_BOUNDS = {"int4": (0.05, 62), "int8": (0.25, 56)}  # (relative logit error,
 
 
 @pytest.fixture(scope="module")
-def float_answer(real_gguf):
-    engine = Engine.from_pretrained(real_gguf)
+def float_answer(demo_engine):
+    engine = demo_engine()
     branch = engine.new_branch("q")
     engine.chat(branch, "user", "Write a short story about a lighthouse keeper.")
     logits = engine.next_logits(branch)[0]

@@ -3,7 +3,7 @@ the same file, along a chat answer, and a fork mid-answer continued against the 
 import pytest
 import torch
 
-from dendrite_nb import Engine, SamplingParams
+from dendrite_nb import SamplingParams
 
 from tests.support.engines import decode_recording_logits
 
@@ -17,8 +17,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def engine(real_gguf):
-    return Engine.from_pretrained(real_gguf, num_blocks=64)
+def engine(demo_engine):
+    return demo_engine(num_blocks=64)
 
 
 @pytest.fixture(scope="module")

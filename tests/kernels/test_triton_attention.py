@@ -70,15 +70,31 @@ def test_chain_of_nodes_read_by_the_same_rows_is_one_segment():
     assert [(seg.start, seg.end) for seg in shared] == [(0, 40)]  # two nodes, one run
 
 
+DECODE_SHAPES = ["llama-gqa-untied", "qwen3-gqa-tied", "llama-mha-tied"]
+
+
+@pytest.fixture(scope="module")
+def grown_trees():
+    """grown_trees(device, shape) -> (engine, leaves): ten leaves of a random tree whose KV the model wrote
+    (copy-on-write tails included), grown once per module: the decode tests below only read it."""
+    grown = {}
+
+    def get(device: str, shape: str):
+        if (device, shape) not in grown:
+            eng = Engine.from_random(TINY_SHAPES[shape].hf_config(vocab_size=256), device=device, num_blocks=1024,
+                                     block_size=4)
+            grown[device, shape] = eng, random_tree(eng, random.Random(7), leaves=10, depth=3)
+        return grown[device, shape]
+
+    return get
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", ["llama-gqa-untied", "qwen3-gqa-tied", "llama-mha-tied"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
 @pytest.mark.parametrize("min_shared", [1, 64])
 @pytest.mark.parametrize("tile_widths", [(64, 128), (32,)])  # (32,): a shared segment spans several tiles
-def test_tree_decode_attention_matches_reference(device, shape, min_shared, tile_widths):
-    rng = random.Random(7)
-    cfg = TINY_SHAPES[shape].hf_config(vocab_size=256)
-    eng = Engine.from_random(cfg, device=device, num_blocks=1024, block_size=4)
-    leaves = random_tree(eng, rng, leaves=10, depth=3)  # the model wrote real KV; copy-on-write tails match
+def test_tree_decode_attention_matches_reference(device, shape, min_shared, tile_widths, grown_trees):
+    eng, leaves = grown_trees(device, shape)
     kv = eng.pool.layers()[0]
     heads, head_dim = eng.config.num_heads, eng.config.head_dim
     q = torch.randn(len(leaves), heads, head_dim, device=device)
@@ -92,9 +108,27 @@ def test_tree_decode_attention_matches_reference(device, shape, min_shared, tile
     tiles = {next((w for w in widths if len(seg.rows) * group <= w), widths[-1]) for seg in tree_layout.segments}
     host = triton_backend.host_plan(tree_layout, 4, eng.device)
     assert {block_m for block_m, count in host.shape().items if count} == tiles
-    for layout in (tree_layout, decode_layout(eng.branch_tree, leaves, shared=False)):
-        got = triton_backend.attend(triton_backend.plan(layout, 4, eng.device), q, kv)
-        assert (got - expected).abs().max() < 1e-5
+    got = triton_backend.attend(triton_backend.plan(tree_layout, 4, eng.device), q, kv)
+    assert (got - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_flat_decode_attention_matches_the_tree_reference(device, shape, grown_trees):
+    """The same leaves each reading their whole context alone (shared=False): one row a run, so neither the tree
+    test's min_shared nor its tile widths change this plan; it runs once per shape."""
+    eng, leaves = grown_trees(device, shape)
+    kv = eng.pool.layers()[0]
+    heads, head_dim = eng.config.num_heads, eng.config.head_dim
+    q = torch.randn(len(leaves), heads, head_dim, device=device)
+    reference = TorchAttention()
+    expected = reference.attend(reference.plan(decode_layout(eng.branch_tree, leaves, min_shared_tokens=1), 4,
+                                               eng.device), q, kv)
+    triton_backend = TritonAttention()
+    triton_backend.configure(heads, eng.config.num_kv_heads)
+    flat = decode_layout(eng.branch_tree, leaves, shared=False)
+    got = triton_backend.attend(triton_backend.plan(flat, 4, eng.device), q, kv)
+    assert (got - expected).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)

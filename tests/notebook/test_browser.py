@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("DENDRITE_ARTIFACTS", ROOT / "build" / "browser-artifacts"))
-LONG_STEPS = 600   # the generation the views are watched during
+LONG_STEPS = 200   # the generation the views are watched during: seconds of steps, each view updated many times
 
 CELLS = [
     "%load_ext dendrite_nb",

@@ -7,7 +7,6 @@ import httpx
 import openai
 import pytest
 
-from dendrite_nb import Engine
 from dendrite_nb.serve.server import Server
 
 CLIENTS, TURNS, MAX_TOKENS = 32, 8, 2  # 2-token answers: the 256 requests run again alone fit CI
@@ -40,8 +39,8 @@ async def load(url: str) -> list:
 
 
 @pytest.mark.timeout(900)
-def test_32_clients_8_turns_each(real_gguf):
-    engine = Engine.from_pretrained(real_gguf, num_blocks=2048)
+def test_32_clients_8_turns_each(demo_engine):
+    engine = demo_engine(num_blocks=2048)
     server = Server(engine, port=0).start()
     try:
         log = asyncio.run(load(server.url))

@@ -8,7 +8,6 @@ import jsonschema
 import openai
 import pytest
 
-from dendrite_nb import Engine
 from dendrite_nb.serve.server import Server
 
 USER = [{"role": "user", "content": "What is the capital of France?"}]
@@ -18,8 +17,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture(scope="module")
-def server(real_gguf):
-    engine = Engine.from_pretrained(real_gguf, num_blocks=1024)
+def server(demo_engine):
+    engine = demo_engine(num_blocks=1024)
     running = Server(engine, port=0).start()
     yield running
     running.stop()
@@ -205,8 +204,8 @@ def test_bad_json_is_a_400(server):
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_a_full_waiting_line_answers_429_and_loses_nothing(real_gguf):
-    engine = Engine.from_pretrained(real_gguf, num_blocks=256)
+def test_a_full_waiting_line_answers_429_and_loses_nothing(demo_engine):
+    engine = demo_engine(num_blocks=256)
     server = Server(engine, port=0, max_waiting=1).start()
     try:
         gate = threading.Event()
@@ -233,8 +232,8 @@ def test_a_full_waiting_line_answers_429_and_loses_nothing(real_gguf):
         server.stop()
 
 
-def test_an_api_key_is_required_when_set(real_gguf):
-    engine = Engine.from_pretrained(real_gguf, num_blocks=64)
+def test_an_api_key_is_required_when_set(demo_engine):
+    engine = demo_engine(num_blocks=64)
     server = Server(engine, port=0, api_key="sesame").start()
     try:
         assert httpx.get(f"{server.url}/models").status_code == 401
