@@ -148,7 +148,9 @@ def load_weights(checkpoint: GGUFCheckpoint, device: torch.device, dtype: torch.
             targets = plan.get(tensor.name)
             if targets is None:  # read into the config (rope_freqs)
                 continue
-            values = dequantize(tensor.data, tensor.tensor_type)  # float32 [rows, cols], torch order
+            # As a plain ndarray (the same bytes): numpy.memmap's __array_finalize__ runs on every view the
+            # dequantizers take of it. The demo model's 272 tensors: 1.72 against 1.99 s, identical values.
+            values = dequantize(tensor.data.view(np.ndarray), tensor.tensor_type)  # float32 [rows, cols], torch order
             values = processor.process(weights=values, name=tensor.name).weights
             # A plain F32 tensor comes back as a read-only view of the memory map; torch wants to own it.
             full = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
