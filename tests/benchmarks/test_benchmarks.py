@@ -73,8 +73,10 @@ def test_decode_step_with_quantized_weights(run):
     payload, _ = run("decode_step", "--cases", "b", "--no-hf", "--weights", "int8")
     torch_rows = {r["weights"]: r for r in rows(payload) if r["attention"] == "torch"}
     assert set(torch_rows) == {"float32", "int8"} and all(r["step_ms"] > 0 for r in torch_rows.values())
-    # int8 weights are a quarter of float32's bytes (plus scales): a lower floor for the same step.
-    assert torch_rows["int8"]["floor_ms"] < torch_rows["float32"]["floor_ms"]
+    # int8 weights are a quarter of float32's bytes (plus scales): never a higher floor for the same step. Equal
+    # floors happen: a floor is the larger of the bytes' time and the FLOPs' time, and on a loaded CI machine the
+    # matmul rate measured for the tiny shapes can make the FLOPs' time, the same for both, the larger.
+    assert torch_rows["int8"]["floor_ms"] <= torch_rows["float32"]["floor_ms"]
     assert [line for line in payload["notes"] if line.startswith("(b) int8 best: torch")]
 
 
