@@ -13,6 +13,7 @@ one node generate the same tokens; the work (rows per step, contexts) is what a 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -122,6 +123,17 @@ class Prefill(Workload):
 
 
 # ---- fork cost --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def collector_off():
+    """Python's garbage collector off inside the block (timed forks and prunes, as benchmarks/fork_cost.py times
+    them: a collection walking the whole heap would land in one call at random)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class ForkCost(Workload):
     """Forks of one branch of `length` tokens, one call each, then their prunes; seconds per call. GC is off while
     timed, as in benchmarks/fork_cost.py. llama.cpp's context is sized for this branch alone: its seq_cp walks
@@ -145,8 +157,7 @@ class ForkCost(Workload):
         return system.root(self.ids)
 
     def run(self, system, root):
-        gc.disable()
-        try:
+        with collector_off():
             started = Clock.now()
             kids = [system.fork(root, 1)[0] for _ in range(self.forks)]
             figures = started.figures("fork", per=self.forks)
@@ -154,8 +165,6 @@ class ForkCost(Workload):
             for kid in kids:
                 system.prune([kid])
             figures |= started.figures("prune", per=self.forks)
-        finally:
-            gc.enable()
         return figures, []
 
 
@@ -182,13 +191,10 @@ class ForkStep(Workload):
         return system.root(self.ids)
 
     def run(self, system, root):
-        gc.disable()
-        try:
+        with collector_off():
             started = Clock.now()
             kids = system.fork(root, self.leaves)
             figures = started.figures("fork")
-        finally:
-            gc.enable()
         started = Clock.now()
         tokens = system.step(kids)
         figures |= started.figures("step")
