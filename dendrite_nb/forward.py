@@ -16,7 +16,7 @@ import torch
 
 from .attention import AttentionBackend, BatchLayout
 from .kv import AppendRecord, BranchTree, KVPool
-from .kv.cascade import SegmentCache
+from .kv.cascade import SegmentCache, build_segments
 
 
 @dataclass(slots=True)
@@ -50,8 +50,11 @@ class ForwardRunner:
         """Everything of the forward but the token ids. Launches the copy-on-write block copies."""
         tables = [tree.block_table(record.node) for record in records]
         segments = None
-        if self.backend.capabilities.tree_segments and all(q == 1 for q in q_lens):  # a decode step: shared once
+        capabilities = self.backend.capabilities
+        if capabilities.tree_segments and all(q == 1 for q in q_lens):  # a decode step: shared once
             segments = self.segments.segments(tree, [record.node for record in records], tables)
+        elif capabilities.tree_prefill and len(records) > 1:  # a prefill of several runs, maybe under shared nodes
+            segments = build_segments(tree, [record.node for record in records], tables)
         layout = BatchLayout(q_lens=q_lens, kv_lens=[record.node.end for record in records], block_tables=tables,
                              segments=segments)
         copies = [record.cow for record in records if record.cow is not None]  # (source, target) block pairs

@@ -17,12 +17,14 @@ from ..kv.layout import BatchLayout, KVSegment, LayerKV
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a backend does beyond plan / append_kv / attend, declared by its class. A True flag promises the calls
-    it names. The runner builds BatchLayout.segments only for tree_segments backends; the engine calls configure()
+    it names. The runner builds BatchLayout.segments only for tree_segments backends, and for a prefill of several
+    sequences only where tree_prefill; the engine calls configure()
     only where needs_head_layout, captures CUDA graphs only where capturable_plans, and prefills in chunks of
     prefill_chunk_tokens unless told otherwise; the fused model calls attend_with_rope where fused_rope_attend.
     The figures behind the default chunk: benchmarks/REPORT.md, "Prefill by chunk size"."""
 
     tree_segments: bool = False      # attend() reads BatchLayout.segments: a shared tree node once for all its rows
+    tree_prefill: bool = False       # and in a prefill too, where a row is several new tokens (causal within it)
     needs_head_layout: bool = False  # configure(num_heads, num_kv_heads, kv_dtype) runs before plan()
     capturable_plans: bool = False   # host_plan(), bind(), plan(shape=...): padded plans that CUDA graphs replay
     fused_rope_attend: bool = False  # attend_with_rope(): RoPE, KV append and attention in fewer launches a layer

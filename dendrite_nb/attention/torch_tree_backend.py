@@ -1,11 +1,13 @@
-"""Tree-aware decode attention in plain torch: the fast path on a CPU, where the Triton kernels do not run.
+"""Tree-aware attention in plain torch: the fast path on a CPU, where the Triton kernels do not run.
 
 A decode step over leaves that share tree nodes reads each shared node's KV once for all its rows, as the
 Triton backend does: one gather of the node's positions and one product against all the rows' query heads
 at once (a matrix product, where flat attention does one thin product per row). Each row's own positions
 (everything no other row reads, at least the leaf's newest token) are gathered and attended padded, as the
-reference does. The partial results are merged by log-sum-exp. Prefill (and any step without segments) plans as the reference does
-and attends through torch's scaled_dot_product_attention, which on a CPU never writes out the padded
+reference does. The partial results are merged by log-sum-exp. A prefill of several sequences under shared
+nodes (instructions appended to forks of one document) is read the same way, by torch_tree_prefill.py.
+A prefill without shared nodes (and any step without segments) plans as the reference does and attends
+through torch's scaled_dot_product_attention, which on a CPU never writes out the padded
 [rows, heads, queries, context] scores that the reference scales, masks and softmaxes in separate passes: a
 512-token chunk over 1,024 positions of the 0.6B model, 31 against 75 ms a layer on two cores.
 
@@ -19,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ..kv.fp8 import dequantize
 from .base import BatchLayout, Capabilities, KVSegment, LayerKV
 from .torch_backend import TorchAttention, TorchPlan, _gather
+from .torch_partials import gather_by_head, segment_slots, slot_of, softmax_times
+from .torch_tree_prefill import TreePrefillPlan, attend_tree_prefill, plan_tree_prefill
 
 
 @dataclass(slots=True)
@@ -42,24 +45,28 @@ class TorchTreeAttention(TorchAttention):
     name = "torch-tree"
     # Short prefill chunks too: SDPA computes the masked half of a chunk's explicit mask (REPORT "Tree of thought
     # and prefill on the CPU"; the run: docs/lab/constants-history.md).
-    capabilities = Capabilities(tree_segments=True, prefill_chunk_tokens=512)
+    capabilities = Capabilities(tree_segments=True, tree_prefill=True, prefill_chunk_tokens=512)
 
     def plan(self, layout: BatchLayout, block_size: int, device: torch.device):
-        if layout.segments is None or not layout.is_decode:
+        if layout.segments is None:
             return super().plan(layout, block_size, device)
+        if not layout.is_decode:
+            return plan_tree_prefill(layout, block_size, device) or super().plan(layout, block_size, device)
         shared = [seg for seg in layout.segments if len(seg.rows) > 1]
         private = sorted((seg for seg in layout.segments if len(seg.rows) == 1), key=lambda seg: seg.rows[0])
-        slot_mapping = [_slot(table, kv - 1, block_size) for table, kv in zip(layout.block_tables, layout.kv_lens)]
+        slot_mapping = [slot_of(table, kv - 1, block_size) for table, kv in zip(layout.block_tables, layout.kv_lens)]
         private_slots, private_valid = _padded_slots(private, len(layout.kv_lens), block_size)
         return TreeDecodePlan(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device),
             private_slots=private_slots.to(device),
             private_valid=private_valid.to(device),
             shared=[SharedRead(torch.tensor(seg.rows, dtype=torch.long).to(device),
-                               _segment_slots(seg, block_size).to(device)) for seg in shared],
+                               segment_slots(seg, block_size).to(device)) for seg in shared],
         )
 
     def attend(self, plan, q: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if isinstance(plan, TreePrefillPlan):
+            return attend_tree_prefill(plan, q, kv)
         if not isinstance(plan, TreeDecodePlan):
             return _attend_padded(plan, q, kv)
         rows, num_heads, head_dim = q.shape
@@ -67,19 +74,19 @@ class TorchTreeAttention(TorchAttention):
         group = num_heads // kv_heads
         scale = head_dim ** -0.5
         queries = q.float().view(rows, kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
-        keys = _gather_by_head(kv.k, kv.k_scale, plan.private_slots)  # [KVH, B, P, D]
-        values = _gather_by_head(kv.v, kv.v_scale, plan.private_slots)
+        keys = gather_by_head(kv.k, kv.k_scale, plan.private_slots)  # [KVH, B, P, D]
+        values = gather_by_head(kv.v, kv.v_scale, plan.private_slots)
         scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [KVH, B, G, P]
         scores.masked_fill_(~plan.private_valid[None, :, None, :], float("-inf"))
         # Every row has a private position (its leaf's newest token), so no row of scores is all -inf.
-        out, lse = _softmax_times(scores, values)  # [KVH, B, G, D], [KVH, B, G, 1]
+        out, lse = softmax_times(scores, values)  # [KVH, B, G, D], [KVH, B, G, 1]
         for read in plan.shared:
             shared_rows = read.rows.numel()
-            keys = _gather_by_head(kv.k, kv.k_scale, read.slots)  # [KVH, S, D]
-            values = _gather_by_head(kv.v, kv.v_scale, read.slots)
+            keys = gather_by_head(kv.k, kv.k_scale, read.slots)  # [KVH, S, D]
+            values = gather_by_head(kv.v, kv.v_scale, read.slots)
             grouped = queries[:, read.rows].reshape(kv_heads, shared_rows * group, head_dim)
             scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [KVH, R * G, S]
-            part, part_lse = _softmax_times(scores, values)
+            part, part_lse = softmax_times(scores, values)
             part = part.view(kv_heads, shared_rows, group, head_dim)
             part_lse = part_lse.view(kv_heads, shared_rows, group, 1)
             row_lse = lse[:, read.rows]
@@ -100,47 +107,11 @@ def _attend_padded(plan: TorchPlan, q: torch.Tensor, kv: LayerKV) -> torch.Tenso
     return out.transpose(1, 2)[plan.q_valid].to(q.dtype)  # [T, H, D]
 
 
-def _softmax_times(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(scores) @ values, logsumexp(scores)) over the last axis; the lse keeps a trailing axis of 1."""
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = (scores - top).exp_()
-    total = weights.sum(dim=-1, keepdim=True)
-    return torch.matmul(weights, values).div_(total), top + total.log()
-
-
-def _gather_by_head(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, KVH, D] at flat slots [...] -> float32 [KVH, ..., D], dequantised if fp8.
-
-    Whole slots are gathered first (index_select copies each slot's KVH x D values as one run), then one more
-    copy puts the KV heads in front as float32: half the time of indexing a head-major view slot by slot, which
-    copies D values at a time (one 0.6B leaf's 512 positions on two cores: 131 against 302 us a layer for K in
-    bf16, 135 against 270 in float32). The result is contiguous because the products over many rows' private
-    positions ran slower on a strided one (16 bf16 leaves: 219 against 192 ms a step)."""
-    kv_heads, head_dim = cache.shape[2:]
-    flat = slots.reshape(-1)
-    gathered = cache.view(-1, kv_heads * head_dim).index_select(0, flat).view(*slots.shape, kv_heads, head_dim)
-    if scale is None:
-        return gathered.movedim(-2, 0).to(torch.float32, memory_format=torch.contiguous_format)
-    scales = scale.view(-1, kv_heads).index_select(0, flat).view(*slots.shape, kv_heads)
-    return dequantize(gathered, scales).movedim(-2, 0).contiguous()
-
-
-def _slot(table: list[int], position: int, block_size: int) -> int:
-    return table[position // block_size] * block_size + position % block_size
-
-
-def _segment_slots(segment: KVSegment, block_size: int) -> torch.Tensor:
-    """[end - start] flat slots of a segment's positions; segment.blocks starts at logical block start // size."""
-    positions = torch.arange(segment.start, segment.end)
-    blocks = torch.tensor(segment.blocks, dtype=torch.long)
-    return blocks[positions // block_size - segment.start // block_size] * block_size + positions % block_size
-
-
 def _padded_slots(private: list[KVSegment], rows: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's private segments' slots, concatenated and padded: ([rows, P] long, [rows, P] bool)."""
     per_row: list[list[torch.Tensor]] = [[] for _ in range(rows)]
     for segment in private:
-        per_row[segment.rows[0]].append(_segment_slots(segment, block_size))
+        per_row[segment.rows[0]].append(segment_slots(segment, block_size))
     joined = [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in per_row]
     slots = torch.nn.utils.rnn.pad_sequence(joined, batch_first=True)
     lengths = torch.tensor([part.numel() for part in joined])

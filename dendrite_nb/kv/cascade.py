@@ -1,4 +1,5 @@
-"""Cut a decode batch's contexts into KV segments, so each shared tree node is read once per step.
+"""Cut a decode batch's contexts into KV segments, so each shared tree node is read once per step (and a
+prefill's of several sequences, whose rows are the leaves their new tokens went to: forward.py).
 
 Plain Python, no torch. Rows of a decode batch are leaves of the branch tree; every node on a row's path
 is a run of positions [node.start, node.end) that all rows under the node share. A node read by two or

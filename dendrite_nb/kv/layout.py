@@ -12,7 +12,7 @@ import torch
 
 
 class KVSegment(NamedTuple):
-    """A run of context positions [start, end) that several batch rows read at once (tree-aware decode).
+    """A run of context positions [start, end) that several batch rows read at once (tree-aware attention).
 
     The rows' contexts are identical over [start, end), because the rows descend from one tree node;
     a kernel reads these positions once for all of them and merges the partial results by log-sum-exp.
@@ -33,8 +33,9 @@ class BatchLayout:
     q_lens: list[int]  # new tokens per sequence
     kv_lens: list[int]  # context per sequence after the new tokens are written
     block_tables: list[list[int]]  # physical block per logical block index, per sequence
-    # Decode only (every q_len is 1): each row's context [0, kv_len) cut into segments, shared ones read
-    # once for all their rows. None: every row reads its own block table (flat paged attention).
+    # Each row's context [0, kv_len) cut into segments, shared ones read once for all their rows: in decode
+    # steps (every q_len is 1), and in prefills for backends that declare tree_prefill (a row's new tokens
+    # then lie in its own segments). None: every row reads its own block table (flat paged attention).
     segments: list[KVSegment] | None = None
 
     @property
