@@ -15,10 +15,15 @@ bytes (weights read per forward, the document's KV read once, new KV written) ov
 or FLOPs over the matmul rate, whichever is larger. SwarmKV reported 52x (re-prefill over fork) with
 two branches on a GTX 1080.
 
-    python benchmarks/fanout.py [--shape qwen3-0.6b|llama-3.1-8b] [--ns 2 5 10 20 50] [--json PATH] [--smoke]
+With --flat-prefill the instructions are prefilled as if the backend were not tree-aware: each fork's forward
+reads the document once more (the comparison for the tree-aware prefill, Capabilities.tree_prefill).
+
+    python benchmarks/fanout.py [--shape qwen3-0.6b|llama-3.1-8b] [--ns 2 5 10 20 50] [--flat-prefill]
+                                [--json PATH] [--smoke]
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import torch
@@ -42,6 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     arguments.add_argument("--repeats", type=int, default=None, help="default 3 (smoke 1)")
     arguments.add_argument("--hf-max-n", type=int, default=10, help="largest n for the transformers peer")
     arguments.add_argument("--attention", default="auto")
+    arguments.add_argument("--flat-prefill", action="store_true",
+                           help="prefill the forks' instructions flat, the document read once per fork")
     args = arguments.parse_args(argv)
     setup = make_setup(args)
     ns = args.ns or ([2, 5] if setup.smoke else [2, 5, 10, 20, 50])
@@ -62,12 +69,15 @@ def main(argv: list[str] | None = None) -> dict:
                                     num_blocks=num_blocks + 16)
     if engine is None:
         raise SystemExit(f"attention {args.attention!r} cannot run here: {reason}")
+    if args.flat_prefill:
+        engine.backend.capabilities = dataclasses.replace(engine.backend.capabilities, tree_prefill=False)
     vocab = model.config.vocab_size
     doc_ids = random_ids(doc_len, vocab, seed=1)
     instructions = random_ids(instr_len, vocab, seed=2, rows=max(ns))
     doc = engine.new_branch("doc", doc_ids)
     log(f"{setup.shape_name(args.shape)}: {engine.config.describe()}, attention {engine.backend.name}; "
-        f"{doc_len:,}-token document, {instr_len}-token instructions")
+        f"{doc_len:,}-token document, {instr_len}-token instructions, "
+        f"{'tree-aware' if engine.backend.capabilities.tree_prefill else 'flat'} prefill of the instructions")
 
     def fork_path(n: int) -> None:
         kids = engine.fork(doc, n)

@@ -4,10 +4,14 @@ plan() turns the layout into work items on the host (see triton_kernels.py for t
 every index array into one int32 buffer and sends it to the device in one non-blocking copy from pinned
 memory; attend() launches the item kernel (once per tile width) and the merge kernel, with no host sync.
 For a decode batch with segments (BatchLayout.segments, built by kv/cascade.py), a shared prefix is one
-item per tile of rows: its KV is read once for all of them.
+item per tile of rows: its KV is read once for all of them. A prefill of several sequences under shared nodes
+(instructions appended to forks of one document) is cut the same way, a shared node's run holding the new
+tokens of every sequence under it: read once per tile of those tokens, where a flat prefill reads it once per
+sequence.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -72,8 +76,8 @@ class TritonPlan:
 
 class TritonAttention:
     name = "triton"
-    capabilities = Capabilities(tree_segments=True, needs_head_layout=True, capturable_plans=True,
-                                fused_rope_attend=True, tma_loads=True)
+    capabilities = Capabilities(tree_segments=True, tree_prefill=True, needs_head_layout=True,
+                                capturable_plans=True, fused_rope_attend=True, tma_loads=True)
 
     def __init__(self, tile_widths: tuple[int, ...] = TILE_WIDTHS, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
                  wide_launch: tuple[int, int] = WIDE_LAUNCH, narrow_launch: tuple[int, int] = NARROW_LAUNCH,
@@ -249,11 +253,16 @@ class TritonAttention:
     @staticmethod
     def _runs(layout: BatchLayout) -> list[tuple]:
         """(query tokens, kv start, kv end, blocks from start // block_size) per KV run: a decode step's segments
-        (a KVSegment is that tuple), or each sequence's whole context (flat)."""
-        if layout.segments is not None:
-            if not layout.is_decode:
-                raise ValueError("segments describe decode steps; a prefill layout must leave them None.")
-            return layout.segments
+        (a KVSegment is that tuple: a decode row is one token), a prefill's segments with each row's new tokens
+        in place of the row (a shared node's run then holds every token under it, read once per tile of them),
+        or each sequence's whole context (flat)."""
+        if layout.segments is not None and (layout.is_decode or any(len(seg.rows) > 1 for seg in layout.segments)):
+            if layout.is_decode:
+                return layout.segments
+            offsets = list(itertools.accumulate(layout.q_lens[:-1], initial=0))
+            tokens_of = [range(first, first + q) for first, q in zip(offsets, layout.q_lens)]
+            return [([token for row in seg.rows for token in tokens_of[row]], seg.start, seg.end, seg.blocks)
+                    for seg in layout.segments]
         runs, first = [], 0
         for q, kv, table in zip(layout.q_lens, layout.kv_lens, layout.block_tables):
             runs.append((range(first, first + q), 0, kv, table))
