@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     report.floors = measure_floors(setup)
     model = build_model(setup, setup.hf_config(SHAPE))
     gguf_type = args.gguf_type or ("f16" if setup.device.type == "cuda" else "f32")
-    gguf = args.gguf or Path(tempfile.mkdtemp(prefix="llama_cpp_gpu_")) / f"{setup.shape_name(SHAPE)}.{gguf_type}.gguf"
+    gguf = (args.gguf.resolve() if args.gguf   # absolute: the llama.cpp worker runs in another folder
+            else Path(tempfile.mkdtemp(prefix="llama_cpp_gpu_")) / f"{setup.shape_name(SHAPE)}.{gguf_type}.gguf")
     if not gguf.is_file():
         write_random_gguf(model, gguf, gguf_type)
         log(f"wrote {gguf} ({gguf.stat().st_size / 1e6:,.0f} MB)")

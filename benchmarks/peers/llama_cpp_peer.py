@@ -70,8 +70,9 @@ class LlamaCppModel:
     made from it."""
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0):
+        self._model = None   # close() (and __del__) run even where the load below fails
         _init_backend()
-        self.path = Path(path)
+        self.path = Path(path).resolve()   # absolute: a worker process may run in another folder
         if not self.path.is_file():
             raise LlamaCppError(f"no GGUF file at {str(self.path)!r}; pass the path of a .gguf file.")
         params = lib.llama_model_default_params()
