@@ -73,6 +73,12 @@ class GenerationInterrupted(KeyboardInterrupt):
         return str(self.args[0])
 
 
+class TensorParallelError(DendriteError, RuntimeError):
+    """Tensor parallelism that cannot run: a degree the model cannot be split by, an option it does not support at
+    tensor_parallel > 1 yet, or a worker process that failed or died (the engine must then be closed and loaded
+    again)."""
+
+
 class SaveFileError(DendriteError, ValueError):
     """A save file that cannot be written (a folder in its place, a path that cannot be a file) or restored here:
     missing, truncated, corrupted, or saved with another model, dtype or block size. Nothing was changed."""

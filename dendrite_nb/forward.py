@@ -30,9 +30,12 @@ class PlannedForward:
 
 class ForwardRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, kv_layers: list, graphs: Any,
-                 device: torch.device):
+                 device: torch.device, tensor_group: Any = None):
         self.model, self.backend, self.pool, self.kv_layers = model, backend, pool, kv_layers
         self.graphs, self.device = graphs, device
+        # A tensor-parallel engine's workers (distributed/group.py): each forward's layout and token ids go to them
+        # before rank 0 runs its own shard. None: the whole model runs here.
+        self.tensor_group = tensor_group
         self.segments = SegmentCache()
         # The last forward's hidden states [T, hidden] and their row views (what nodes hold as last_hidden):
         # the next step's LM head reads the tensor as it is when it asks for exactly those rows, in order.
@@ -90,6 +93,9 @@ class ForwardRunner:
             token_ids = self._on_device(token_ids)
         if planned.staged is not None:
             hidden = self.graphs.launch(planned.staged, token_ids)  # [T, hidden]
+        elif self.tensor_group is not None:   # every rank runs its shard of it
+            hidden = self.tensor_group.forward(layout, token_ids, self.model, planned.positions, self.kv_layers,
+                                               self.backend, planned.plan)
         else:
             hidden = self.model(token_ids, planned.positions, self.kv_layers, self.backend, planned.plan)
         self.all_hidden = hidden if self.keep_all_hidden else None

@@ -12,6 +12,7 @@ raises a typed error and leaves the tree, the refcounts and the free blocks exac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from pathlib import Path
@@ -23,14 +24,20 @@ from ..attention import make_backend
 from ..chat import ChatState
 from ..config import KV_DTYPES, EngineConfig, check_switch, is_count, parse_dtype
 from ..constraints import Constraint
+from ..distributed import launch
+from ..distributed.group import TensorGroup
+from ..distributed.pool import ShardedKVPool
+from ..distributed.shard import check_degree, local_heads
+from ..distributed.spec import ModelSpec
 from ..engine_calls import EngineCalls, atomic_calls, engine_call
-from ..errors import GenerationInterrupted
+from ..errors import GenerationInterrupted, TensorParallelError
 from ..events import Event, Listener, Subscription, TreeChanged
 from ..forward import ForwardRunner
 from ..kv import BranchTree, KVPool
 from ..kv.journal import restore_attrs, restore_key
 from ..model.quantized_linear import check_weights
 from ..model.transformer import CausalLM
+from ..paths import user_path
 from ..sampling import SamplingParams, check_seed, derive_seed
 from ..snapshot import block_snapshot, tree_snapshot
 from ..wording import counted
@@ -48,13 +55,17 @@ from .rewind import check_rewind, rewind
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Any | None, **options: Any):
+    def __init__(self, model: CausalLM, tokenizer: Any | None, *, tensor_group: TensorGroup | None = None,
+                 **options: Any):
         """An engine around a loaded model. Options (EngineConfig, dendrite_nb/config.py): device, kv_dtype ("fp8"
         for an e4m3 cache), block_size, num_blocks, attention, seed, debug, prefill_chunk_tokens, cuda_graphs,
-        prefix_reuse, prefix_cache."""
+        prefix_reuse, prefix_cache. tensor_group: the running workers of a tensor-parallel engine, whose rank 0's
+        shard `model` is (Engine.from_pretrained / from_random with tensor_parallel > 1 make both)."""
         EngineConfig.check_keywords(options)
         settings = self.engine_config = EngineConfig(**options)
         self.model, self.tokenizer, self.config = model, tokenizer, model.config
+        self._tensor_group = tensor_group
+        heads, kv_heads = local_heads(self.config, 1 if tensor_group is None else tensor_group.world)
         # Where the weights came from and how this engine was built: what save() records so restore() can
         # rebuild it. from_pretrained / from_random fill `source`; an engine built around a model object has none.
         self.source: dict[str, Any] | None = None
@@ -65,18 +76,26 @@ class Engine:
                          else self.dtype)
         self.backend = make_backend(settings.attention, self.device, self.dtype, self.config.head_dim, self.kv_dtype)
         if self.backend.capabilities.needs_head_layout:
-            self.backend.configure(self.config.num_heads, self.config.num_kv_heads, self.kv_dtype)
+            self.backend.configure(heads, kv_heads, self.kv_dtype)
         chunk_tokens = settings.prefill_chunk_tokens or self.backend.capabilities.prefill_chunk_tokens
-        num_blocks = settings.num_blocks or build.default_num_blocks(self.config, self.kv_dtype, self.device,
-                                                                      settings.block_size)
-        self.pool = KVPool(num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
-                           head_dim=self.config.head_dim, num_blocks=num_blocks, block_size=settings.block_size,
-                           dtype=self.kv_dtype, device=self.device, canaries=settings.debug)
+        num_blocks = settings.num_blocks or build.default_num_blocks(
+            dataclasses.replace(self.config, num_kv_heads=kv_heads), self.kv_dtype, self.device, settings.block_size)
+        sizes = {"num_layers": self.config.num_layers, "num_kv_heads": kv_heads, "head_dim": self.config.head_dim,
+                 "num_blocks": num_blocks, "block_size": settings.block_size, "dtype": self.kv_dtype,
+                 "device": self.device, "canaries": settings.debug}
+        self.pool = KVPool(**sizes) if tensor_group is None else ShardedKVPool(tensor_group, **sizes)
         kv_layers = self.pool.layers()
-        if self.device.type == "cuda" and build.fused_kernels_available(self.device):
-            self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
-        self._graphs = build.forward_graphs(settings.cuda_graphs, model, self.backend, self.pool, kv_layers, self.device)
-        self._runner = ForwardRunner(model, self.backend, self.pool, kv_layers, self._graphs, self.device)
+        if tensor_group is None:   # tensor-parallel ranks run the reference forward, eagerly (distributed/)
+            if self.device.type == "cuda" and build.fused_kernels_available(self.device):
+                self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
+            self._graphs = build.forward_graphs(settings.cuda_graphs, model, self.backend, self.pool, kv_layers,
+                                                self.device)
+        else:
+            self._graphs = None
+            tensor_group.setup(num_blocks=num_blocks, block_size=settings.block_size, kv_dtype=self.kv_dtype,
+                               attention=self.backend.name, canaries=settings.debug)
+        self._runner = ForwardRunner(model, self.backend, self.pool, kv_layers, self._graphs, self.device,
+                                     tensor_group)
         self.branch_tree = tree = BranchTree(self.pool.allocator, settings.block_size, branch_type=Branch)
         tree.prefix_cache = settings.prefix_cache
         self._journal = tree.journal
@@ -97,7 +116,7 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                        weights: str | None = None, **options: Any) -> Engine:
+                        weights: str | None = None, tensor_parallel: int = 1, **options: Any) -> Engine:
         """Load an HF folder (config.json, safetensors weights, single or sharded, and the tokenizer), or a GGUF:
         a `.gguf` file, or a folder holding exactly one `.gguf` (a folder with config.json and safetensors
         weights loads as HF, whatever else it holds). A GGUF's weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are
@@ -113,24 +132,55 @@ class Engine:
         prefill_chunk_tokens (tokens per prefill forward; default 4,096, or 512 with the torch reference),
         prefix_reuse (default on: a prompt's tokens the tree holds already are not prefilled again), prefix_cache
         (default off: keep what pruned branches held, for later prompts to reuse; see Engine.prefix_cache).
+
+        tensor_parallel: the number of processes (one per GPU, cuda:i to cuda:i+N-1 from device cuda:i; on the
+        CPU, gloo processes) the model is split over by heads and MLP features (dendrite_nb/distributed/). Rank 0
+        is this process and keeps the tree, scheduling and sampling; the others are spawned workers, ended by
+        close(). At tensor_parallel > 1, weights, cuda_graphs=True and save() are not supported yet (clear errors).
         """
         settings = cls._settings_before_loading(device, options, weights)
-        model, tokenizer, origin = build.load_checkpoint(path, settings.device, parse_dtype(dtype), weights)
-        engine = cls(model, tokenizer, device=settings.device, **options)
+        if check_degree(tensor_parallel) > 1:
+            spec = ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype))
+            engine, origin = cls._sharded(spec, tensor_parallel, settings, weights, options)
+        else:
+            model, tokenizer, origin = build.load_checkpoint(path, settings.device, parse_dtype(dtype), weights)
+            engine = cls(model, tokenizer, device=settings.device, **options)
         engine.source = {"checkpoint": str(origin.resolve()), **({"weights": weights} if weights else {})}
         return engine
 
     @classmethod
     def from_random(cls, hf_config: dict[str, Any], device: str = "cpu", dtype: str | torch.dtype = "float32",
-                    weight_seed: int = 0, weights: str | None = None, **options: Any) -> Engine:
-        """Random weights for an HF config dict, built in memory; token ids only (no tokenizer). weights: as
-        from_pretrained's."""
+                    weight_seed: int = 0, weights: str | None = None, tensor_parallel: int = 1,
+                    **options: Any) -> Engine:
+        """Random weights for an HF config dict, built in memory; token ids only (no tokenizer). weights and
+        tensor_parallel: as from_pretrained's (each rank draws the same whole model from weight_seed)."""
         settings = cls._settings_before_loading(device, options, weights)
-        model = build.random_weights(hf_config, settings.device, parse_dtype(dtype), weight_seed, weights)
-        engine = cls(model, None, device=settings.device, **options)
+        if check_degree(tensor_parallel) > 1:
+            spec = ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype))
+            engine = cls._sharded(spec, tensor_parallel, settings, weights, options)[0]
+        else:
+            model = build.random_weights(hf_config, settings.device, parse_dtype(dtype), weight_seed, weights)
+            engine = cls(model, None, device=settings.device, **options)
         engine.source = {"hf_config": dict(hf_config), "weight_seed": weight_seed,
                          **({"weights": weights} if weights else {})}
         return engine
+
+    @classmethod
+    def _sharded(cls, spec: ModelSpec, world: int, settings: EngineConfig, weights: str | None,
+                 options: dict[str, Any]) -> tuple[Engine, Path | None]:
+        """A tensor-parallel engine and where its weights came from; a request that cannot run starts nothing."""
+        launch.check_request(spec, world, settings, weights)
+        model, tokenizer, origin, group = launch.start(spec, world, settings.device)
+        try:
+            return cls(model, tokenizer, tensor_group=group, **{**options, "device": group.rank_device(0)}), origin
+        except BaseException:
+            group.close()
+            raise
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The number of processes the model is split over (1: this one alone)."""
+        return 1 if self._tensor_group is None else self._tensor_group.world
 
     @staticmethod
     def _settings_before_loading(device: Any, options: dict[str, Any], weights: str | None) -> EngineConfig:
@@ -676,6 +726,9 @@ class Engine:
         state, constraint, and the KV blocks in use (safetensors + a checksummed JSON manifest)."""
         from ..persist import save
 
+        if self._tensor_group is not None:
+            raise TensorParallelError(f"save() {launch.UNSUPPORTED}: the manifest records one process's weights. "
+                                      f"Save from an engine loaded at tensor_parallel=1.")
         return save(self, path)
 
     @classmethod
@@ -692,9 +745,12 @@ class Engine:
     def close(self) -> None:
         """Let go of the weights and free the KV pool now, even while other references to this engine remain.
         The weights are freed as soon as nothing else holds the model: another engine built around the same
-        model object keeps working. Every later call raises a clear error."""
+        model object keeps working. A tensor-parallel engine's workers end, and its process groups and port are
+        freed. Every later call raises a clear error."""
         self._grammars.close()
         self.pool.release()
+        if self._tensor_group is not None:
+            self._tensor_group.close()
         # Dropped, not moved to the "meta" device in place: that would take the weights from the other engines.
         # Every part that holds the model or the tree goes with it.
         closed = Closed()

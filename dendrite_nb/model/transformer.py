@@ -11,7 +11,7 @@ SwiGLU inside the projection next to it).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -70,6 +70,10 @@ def product_weight(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 class Attention(nn.Module):
+    # On a tensor-parallel rank (distributed/shard.py): sums the ranks' partial o_proj outputs in place. None: the
+    # whole model runs here.
+    all_reduce: Callable[[torch.Tensor], None] | None = None
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -94,7 +98,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         backend.append_kv(plan, kv, k, v)
         out = backend.attend(plan, q, kv)  # [T, heads, head_dim]
-        return dense(self.o_proj, out.reshape(tokens, heads * head_dim))
+        out = dense(self.o_proj, out.reshape(tokens, heads * head_dim))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
     def fuse_projections(self) -> None:
         """q/k/v in one weight [(heads + 2 * kv_heads) * head_dim, hidden] (the parameters become views)."""
@@ -127,6 +134,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    all_reduce: Callable[[torch.Tensor], None] | None = None  # as Attention's, over down_proj's partial outputs
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         bias = config.mlp_bias
@@ -135,7 +144,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(self.down_proj, F.silu(dense(self.gate_proj, x)) * dense(self.up_proj, x))
+        out = dense(self.down_proj, F.silu(dense(self.gate_proj, x)) * dense(self.up_proj, x))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
     def fuse_projections(self) -> None:
         """gate and up in one weight [2 * intermediate, hidden] (the parameters become views)."""
@@ -191,6 +203,7 @@ class CausalLM(nn.Module):
         self.inv_freq: torch.Tensor | None = None  # set by materialize(), after the weights have a device
         self.fused_kernels = False  # set by use_fused_kernels()
         self.weights_format: str | None = None  # set by quantize_model(): "int8", "int4", "fp8"; None = dtype
+        self.tensor_parallel = (0, 1)  # (rank, world): this rank's shard of a model split by distributed/shard.py
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

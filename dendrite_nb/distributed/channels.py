@@ -1,0 +1,108 @@
+"""The process groups of one tensor-parallel engine and the few collectives it runs over them.
+
+Three groups, built on one TCPStore (rank 0's, on a port the OS picked) under their own prefixes, as process group
+objects of this engine alone: none is torch.distributed's default group, so a second engine in the same kernel, or
+an init cell run again, never meets "default process group initialized twice", and closing one engine touches no
+other.
+
+    control  gloo: rank 0's commands to the workers, pickled (workers wait here between calls)
+    host     gloo: CPU tensors a command moves (KV blocks exported or imported)
+    device   the forward's all-reduces: NCCL on CUDA; on the CPU, the host group itself
+
+Every collective has a timeout (COLLECTIVE_TIMEOUT), so a worker that hangs becomes an error, not a hang; one that
+dies closes its connections, which fails the next collective at once. Only a worker waiting for its next command
+waits longer (IDLE_TIMEOUT): a notebook may sit idle for days between calls.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HOST = "127.0.0.1"  # one host: every rank is a process of this machine, so they talk over the loopback
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=20)
+# Within gloo's millisecond timer; a worker idle this long exits, and the engine's next call says so.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+def _broadcast_options(timeout: datetime.timedelta | None = None) -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    if timeout is not None:
+        options.timeout = timeout
+    return options
+
+
+def _gloo(store: dist.Store, name: str, rank: int, world: int) -> Any:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = COLLECTIVE_TIMEOUT
+    # Gloo's default device binds to whatever the machine's hostname resolves to, which in some containers is no
+    # interface at all.
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, options)
+
+
+def _nccl(store: dist.Store, rank: int, world: int) -> Any:
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = COLLECTIVE_TIMEOUT
+    return dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, world, options)
+
+
+class Channels:
+    """This rank's end of the three groups. Building one waits until every rank builds its own (COLLECTIVE_TIMEOUT
+    at most): call it once every rank is known to be up."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device):
+        self.rank, self.world = rank, world
+        self.control = _gloo(store, "control", rank, world)
+        self.host = _gloo(store, "host", rank, world)
+        self.device = _nccl(store, rank, world) if device.type == "cuda" else self.host
+
+    # ---- commands: rank 0 sends, the workers receive ---------------------------------------------
+    def send(self, message: Any) -> None:
+        """Rank 0: one pickled message to every worker (its size, then its bytes)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        self.control.broadcast([torch.tensor([payload.numel()])], _broadcast_options()).wait()
+        self.control.broadcast([payload], _broadcast_options()).wait()
+
+    def receive(self) -> Any:
+        """A worker: the next message rank 0 sends (waiting up to IDLE_TIMEOUT for it to begin)."""
+        size = torch.zeros(1, dtype=torch.long)
+        self.control.broadcast([size], _broadcast_options(IDLE_TIMEOUT)).wait()
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        self.control.broadcast([payload], _broadcast_options()).wait()
+        return pickle.loads(payload.numpy().tobytes())
+
+    # ---- tensors ------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks, in place (the forward's partial products)."""
+        self.device.allreduce([tensor]).wait()
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every rank's `tensor` (same shape and dtype), over the device group."""
+        self.device.broadcast([tensor], _broadcast_options()).wait()
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's CPU `tensor` (same shape and dtype on each), on rank 0 in rank order; None elsewhere."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        outputs = [[torch.empty_like(tensor) for _ in range(self.world)]] if self.rank == 0 else []
+        self.host.gather(outputs, [tensor], options).wait()
+        return outputs[0] if self.rank == 0 else None
+
+    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
+        """Rank 0's parts[r] (CPU tensors shaped like `out`) into rank r's `out`; parts None on the workers."""
+        options = dist.ScatterOptions()
+        options.rootRank = 0
+        self.host.scatter([out], [parts] if self.rank == 0 else [], options).wait()
+
+    def shutdown(self) -> None:
+        """Close the groups' connections now (the store's port goes with the store)."""
+        for group in {id(g): g for g in (self.device, self.host, self.control)}.values():
+            try:
+                group.shutdown()
+            except RuntimeError:   # a group a dead peer already broke: its connections are closed
+                pass

@@ -1,0 +1,58 @@
+"""Building a tensor-parallel engine (Engine.from_pretrained / from_random with tensor_parallel > 1): check the
+request before anything starts, start the workers, build and check rank 0's shard, and hand both to the engine.
+
+Every rank builds the whole model on the CPU from the same ModelSpec (the same file, or the same config and seed),
+checks that its checksum equals rank 0's, keeps its shard and moves that to its device.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..attention import make_backend
+from ..config import KV_DTYPES, EngineConfig, parse_dtype
+from ..errors import TensorParallelError
+from ..model.transformer import CausalLM
+from .group import TensorGroup
+from .shard import check_degree, shard_model, weights_checksum
+from .spec import ModelSpec
+
+# What an engine offers that tensor_parallel > 1 does not run yet: a clear error rather than a wrong result.
+UNSUPPORTED = "is not supported at tensor_parallel > 1 yet"
+
+
+def check_request(spec: ModelSpec, world: int, settings: EngineConfig, weights: str | None) -> None:
+    """TensorParallelError (or the checkpoint's or the backend's own error) for a request that cannot run; starts
+    nothing."""
+    if weights is not None:
+        raise TensorParallelError(f"weights={weights!r} {UNSUPPORTED}; load with weights=None (the file's "
+                                  f"precision), or at tensor_parallel=1.")
+    if settings.cuda_graphs:
+        raise TensorParallelError(f"cuda_graphs=True {UNSUPPORTED} (tensor-parallel steps run eagerly); leave "
+                                  f"cuda_graphs unset.")
+    device = settings.device
+    if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
+        raise TensorParallelError(f"tensor_parallel={world} from {device} needs GPUs cuda:{device.index or 0} to "
+                                  f"cuda:{(device.index or 0) + world - 1}; this machine has "
+                                  f"{torch.cuda.device_count()}.")
+    config = spec.config()
+    check_degree(world, config)
+    kv_dtype = spec.dtype if settings.kv_dtype is None else parse_dtype(settings.kv_dtype, KV_DTYPES, "kv_dtype")
+    make_backend(settings.attention, device, spec.dtype, config.head_dim, kv_dtype)   # the engine builds it later
+
+
+def start(spec: ModelSpec, world: int, device: torch.device) -> tuple[CausalLM, Any, Path | None, TensorGroup]:
+    """(rank 0's shard on its device, the tokenizer, where the weights came from, the running workers)."""
+    group = TensorGroup(world, device, spec)
+    try:
+        model, tokenizer, origin = spec.build()
+        group.check_weights(weights_checksum(model))
+        shard_model(model, 0, world, group.all_reduce)
+        model = model.to(group.rank_device(0))
+        model.materialize(group.rank_device(0))
+    except BaseException:
+        group.close()
+        raise
+    return model, tokenizer, origin, group

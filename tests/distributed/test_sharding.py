@@ -1,0 +1,120 @@
+"""The sharding math of tensor parallelism, in one process: a model split over two ranks, each rank's forward run on
+its own thread with an all-reduce that sums over the threads, gives the whole model's hidden states and KV. And the
+degrees a model takes, checked before anything starts."""
+import copy
+import threading
+
+import pytest
+import torch
+
+from dendrite_nb.attention import BatchLayout, make_backend
+from dendrite_nb.distributed.shard import check_degree, degrees_for, local_heads, shard_model, weights_checksum
+from dendrite_nb.errors import TensorParallelError
+from dendrite_nb.kv import KVPool
+from dendrite_nb.model.config import ModelConfig
+from dendrite_nb.model.loader import random_model
+from dendrite_nb.testing import TINY_SHAPES
+
+WORLD = 2
+BLOCK = 4
+
+
+class ThreadSum:
+    """An all-reduce among threads: every rank's tensor becomes the sum of all ranks' (in rank order)."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.parts: list[torch.Tensor | None] = [None] * world
+
+    def hook(self, rank: int):
+        def all_reduce(tensor: torch.Tensor) -> None:
+            self.parts[rank] = tensor.clone()
+            self.barrier.wait()
+            total = torch.stack(self.parts).sum(0)
+            self.barrier.wait()   # every rank has read the parts before any writes the next ones
+            tensor.copy_(total)
+        return all_reduce
+
+
+def forward(model, kv_heads: int, layout: BatchLayout, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [T, hidden], the pool's KV) of one forward from an empty pool."""
+    config = model.config
+    pool = KVPool(num_layers=config.num_layers, num_kv_heads=kv_heads, head_dim=config.head_dim, num_blocks=8,
+                  block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"))
+    backend = make_backend("torch")
+    plan = backend.plan(layout, BLOCK, torch.device("cpu"))
+    hidden = model(ids, torch.tensor(layout.positions), pool.layers(), backend, plan)
+    return hidden, pool.kv
+
+
+@pytest.mark.parametrize("shape", ["llama-biased", "qwen3-gqa-tied", "llama-mha-tied"])
+def test_two_shards_sum_to_the_whole_model(shape):
+    """Biases on all four attention products and the MLP (added once, on rank 0), Qwen3's q/k norms, tied and untied
+    heads, GQA and MHA: the ranks' hidden states after the all-reduces equal the whole model's, and each rank's KV is
+    the whole model's KV of its own heads."""
+    config = ModelConfig.from_hf(TINY_SHAPES[shape].hf_config(vocab_size=96))
+    whole = random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    # Two sequences, a prefill of 5 tokens and one of 3, in blocks of 4.
+    layout = BatchLayout(q_lens=[5, 3], kv_lens=[5, 3], block_tables=[[0, 1], [2]])
+    ids = torch.tensor([5, 17, 33, 2, 90, 41, 7, 64])
+    want_hidden, want_kv = forward(whole, config.num_kv_heads, layout, ids)
+
+    total = ThreadSum(WORLD)
+    shards = [copy.deepcopy(whole) for _ in range(WORLD)]
+    for rank, shard in enumerate(shards):
+        shard_model(shard, rank, WORLD, total.hook(rank))
+    results: list = [None] * WORLD
+    kv_heads = local_heads(config, WORLD)[1]
+
+    def run(rank):
+        results[rank] = forward(shards[rank], kv_heads, layout, ids)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(WORLD)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for rank, (hidden, kv) in enumerate(results):
+        torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+        heads = slice(rank * kv_heads, (rank + 1) * kv_heads)
+        torch.testing.assert_close(kv, want_kv[..., heads, :], rtol=1e-5, atol=1e-5)
+
+
+def test_a_shard_holds_its_part_of_each_weight():
+    config = ModelConfig.from_hf(TINY_SHAPES["llama-biased"].hf_config(vocab_size=96))
+    whole = random_model(config, torch.device("cpu"), torch.float32, seed=1)
+    shard = copy.deepcopy(whole)
+    shard_model(shard, 1, WORLD, lambda tensor: None)
+    layer, full = shard.model.layers[0], whole.model.layers[0]
+    head_dim = config.head_dim
+    q_rows = slice(2 * head_dim, 4 * head_dim)   # heads 2 and 3 of 4
+    torch.testing.assert_close(layer.self_attn.q_proj.weight, full.self_attn.q_proj.weight[q_rows])
+    torch.testing.assert_close(layer.self_attn.k_proj.weight, full.self_attn.k_proj.weight[head_dim:])  # KV head 1
+    torch.testing.assert_close(layer.self_attn.o_proj.weight, full.self_attn.o_proj.weight[:, q_rows])
+    torch.testing.assert_close(layer.mlp.down_proj.weight, full.mlp.down_proj.weight[:, 64:])
+    assert layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None  # rank 0 adds them once
+    assert layer.self_attn.shape == (2, 1, head_dim)
+    assert shard.lm_head is None   # rank 0 alone computes logits
+
+
+def test_the_checksum_tells_weights_apart():
+    config = ModelConfig.from_hf(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=96))
+    cpu = torch.device("cpu")
+    same = [weights_checksum(random_model(config, cpu, torch.float32, seed=0)) for _ in range(2)]
+    assert same[0] == same[1]
+    assert weights_checksum(random_model(config, cpu, torch.float32, seed=1)) != same[0]
+
+
+def test_the_degrees_a_model_takes():
+    gqa = ModelConfig.from_hf(TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=96))   # 4 heads, 2 KV heads
+    assert degrees_for(gqa) == [1, 2]
+    assert check_degree(2, gqa) == 2
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel=4 cannot split .* KV heads \(2\).* runs at "
+                                                  r"tensor_parallel 1, 2\."):
+        check_degree(4, gqa)
+    three = ModelConfig.from_hf(TINY_SHAPES["qwen3-mha-untied"].hf_config(vocab_size=96))   # 3 heads
+    with pytest.raises(TensorParallelError, match=r"runs at tensor_parallel 1, 3\."):
+        check_degree(2, three)
+    for bad in (0, -2, True, 2.0, "2", None):
+        with pytest.raises(TensorParallelError, match="must be an int >= 1"):
+            check_degree(bad)
