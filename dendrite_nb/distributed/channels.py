@@ -16,6 +16,7 @@ waits longer (IDLE_TIMEOUT): a notebook may sit idle for days between calls.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 from typing import Any
 
@@ -46,6 +47,10 @@ def _gloo(store: dist.Store, name: str, rank: int, world: int) -> Any:
 
 
 def _nccl(store: dist.Store, rank: int, world: int) -> Any:
+    # NCCL's watchdog, on a collective past its timeout, by default aborts the communicator and then ends the
+    # process: rank 0 is the notebook's kernel. Clean-up only (2) aborts the communicator, and the engine's next
+    # call reports the failure. Read when the group is built; a user's own setting is kept.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = COLLECTIVE_TIMEOUT
     return dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, world, options)
@@ -100,9 +105,14 @@ class Channels:
         self.host.scatter([out], [parts] if self.rank == 0 else [], options).wait()
 
     def shutdown(self) -> None:
-        """Close the groups' connections now (the store's port goes with the store)."""
+        """Close the groups' connections now (the store's port goes with the store). NCCL's communicator is
+        aborted rather than shut down: a shutdown flushes it with its peers, and hangs where one is gone (a worker
+        killed, or already exited after close)."""
         for group in {id(g): g for g in (self.device, self.host, self.control)}.values():
             try:
-                group.shutdown()
+                if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):   # absent from CPU builds
+                    group.abort()
+                else:
+                    group.shutdown()
             except RuntimeError:   # a group a dead peer already broke: its connections are closed
                 pass

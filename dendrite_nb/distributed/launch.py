@@ -1,8 +1,9 @@
 """Building a tensor-parallel engine (Engine.from_pretrained / from_random with tensor_parallel > 1): check the
 request before anything starts, start the workers, build and check rank 0's shard, and hand both to the engine.
 
-Every rank builds the whole model on the CPU from the same ModelSpec (the same file, or the same config and seed),
-checks that its checksum equals rank 0's, keeps its shard and moves that to its device.
+Every rank builds the whole model from the same ModelSpec (the same file, loaded on the CPU, or the same config and
+seed, drawn on the rank's device), checks that its checksum equals rank 0's, keeps its shard and moves that to its
+device.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def start(spec: ModelSpec, world: int, device: torch.device) -> tuple[CausalLM, 
     """(rank 0's shard on its device, the tokenizer, where the weights came from, the running workers)."""
     group = TensorGroup(world, device, spec)
     try:
-        model, tokenizer, origin = spec.build()
+        model, tokenizer, origin = spec.build(group.rank_device(0))
         group.check_weights(weights_checksum(model))
         shard_model(model, 0, world, group.all_reduce)
         model = model.to(group.rank_device(0))

@@ -15,6 +15,7 @@ to the store under error/<rank> before the process exits, so rank 0's error says
 """
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -111,22 +112,25 @@ def serve(rank: int, world: int, host: str, port: int, spec: ModelSpec, device_n
             torch.cuda.set_device(device)
         store.set(f"joined/{rank}", b"1")
         channels = Channels(store, rank, world, device)
-        model, _, _ = spec.build(tokenizer=False)
+        model, _, _ = spec.build(device, tokenizer=False)
         store.set(f"checksum/{rank}", pickle.dumps(weights_checksum(model)))
         shard_model(model, rank, world, channels.all_reduce)
         model = model.to(device)
         model.materialize(device)
         with torch.inference_mode():
             Worker(channels, model, device).run(store, rank)
-        channels.shutdown()
     except BaseException as error:
         try:
             store.set(f"error/{rank}", _describe(error).encode())
         except RuntimeError:   # rank 0, which holds the store, is gone: nobody is left to tell
             pass
         raise SystemExit(1) from None
-    # Told to close: nothing is left to save, and the interpreter's own teardown (torch's) would keep rank 0's
-    # close() waiting for a second or more.
+    # Told to close: nothing is left to save. The exit closes the groups' connections; shutting NCCL's down here
+    # would wait on rank 0's (which is waiting for this process to end), and the interpreter's own teardown
+    # (torch's) would keep rank 0's close() waiting for a second or more. Multiprocessing's exit handlers still run, as for any process it
+    # started: they unlink the named semaphores made here (tqdm's lock, while loading), which would otherwise stay
+    # in /dev/shm until the kernel exits.
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

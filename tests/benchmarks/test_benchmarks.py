@@ -268,3 +268,13 @@ def test_batch_scaling(run):
     assert by_leaves[1]["x_one_leaf"] == 1.0
     assert by_leaves[4]["floor_ms"] > by_leaves[1]["floor_ms"]   # four leaves' own KV on top of the same weights
     assert len(payload["notes"]) >= 3
+
+
+def test_tensor_parallel(run):
+    """TP=1 then TP=2 (two gloo processes on the CPU): each row's floor is its share of the same bytes."""
+    payload, printed = run("tensor_parallel")
+    one, two = rows(payload)
+    assert (one["variant"], two["variant"]) == ("TP=1", "TP=2")
+    assert one["x_tp1"] == 1.0 and two["step_ms"] > 0
+    assert math.isclose(two["floor_ms"], one["floor_ms"] / 2, rel_tol=1e-9)
+    assert "TP=2: " in printed and "the TP=1 step" in payload["notes"][0]

@@ -1,0 +1,103 @@
+"""A decode step split over GPUs (tensor parallelism, issue 43) against the same step on one GPU.
+
+B leaves forked off a P-token prefix (Llama-3.1-8B shape by default, random weights, bf16 on GPUs), 16 tokens each of
+their own; a steady step is generate(copies, --steps) / --steps on fresh one-child forks of the leaves, median of
+CALLS calls after one untimed call (generate_on_copies). Rows, from one script run on one machine:
+  TP=1            the engine on one GPU as a user gets it (CUDA graphs, fused kernels);
+  TP=1 eager      the same without CUDA graphs: what a tensor-parallel rank runs today;
+  TP=N            the model split over N GPUs (each holds 1/N of the heads, the MLP features and the KV), an
+                  all-reduce after each layer's attention and MLP, eager.
+Target (issue 43): at 8B, 64 leaves under 4,096 tokens, TP=2 at most 0.6x the TP=1 step. Floor: the weights read
+once per step (every one but the embedding table) + the prefix's KV once + each leaf's own KV, over the copy
+bandwidth of one GPU (TP=1) or divided among N GPUs (TP=N: each reads its 1/N share at the same rate at once; the
+all-reduces are not counted).
+
+    python benchmarks/tensor_parallel.py [--shape llama-3.1-8b] [--leaves 64] [--prefix 4096] [--degrees 2]
+                                         [--steps 16] [--json PATH] [--smoke]
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from bench_common import (Column, Report, free_memory, generate_on_copies, log, measure_floors, model_costs, parser,
+                          random_ids, setup as make_setup)
+from dendrite_nb import Engine, SamplingParams
+from dendrite_nb.testing import REAL_SHAPES
+
+CALLS = 3
+OWN = 16
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+TARGET = 0.6
+
+
+def leaves_of(engine: Engine, count: int, prefix_ids: list[int], own_ids: list[list[int]]) -> list:
+    root = engine.new_branch("prefix", prefix_ids)
+    leaves = engine.fork(root, count)
+    engine.append_many(zip(leaves, own_ids))
+    return leaves
+
+
+def step_seconds(engine: Engine, leaves: list, steps: int, device: torch.device) -> float:
+    return statistics.median(generate_on_copies(engine, leaves, steps, GREEDY, device, repeats=CALLS)) / steps
+
+
+def main(argv: list[str] | None = None) -> dict:
+    arguments = parser(__doc__)
+    arguments.add_argument("--shape", choices=sorted(REAL_SHAPES), default="llama-3.1-8b")
+    arguments.add_argument("--leaves", type=int, default=None, help="default 64 (smoke 4)")
+    arguments.add_argument("--prefix", type=int, default=None, help="prefix tokens (default 4096; smoke 40)")
+    arguments.add_argument("--degrees", type=int, nargs="+", default=[2],
+                           help="the split degrees (default 2); TP=1 always runs first, as the baseline")
+    arguments.add_argument("--steps", type=int, default=None, help="steps per timed call (default 16; smoke 2)")
+    args = arguments.parse_args(argv)
+    setup = make_setup(args)
+    leaves_n = args.leaves or (4 if setup.smoke else 64)
+    prefix = args.prefix or (40 if setup.smoke else 4096)
+    steps = args.steps or (2 if setup.smoke else 16)
+    if setup.device.type == "cuda" and max(args.degrees) > torch.cuda.device_count():
+        raise SystemExit(f"--degrees {max(args.degrees)} needs that many GPUs; this machine has "
+                         f"{torch.cuda.device_count()}.")
+    report = Report("tensor_parallel", setup)
+    report.floors = floors = measure_floors(setup)
+    hf_config = setup.hf_config(args.shape)
+    vocab = hf_config["vocab_size"]
+    prefix_ids = random_ids(prefix, vocab, seed=1)
+    own_ids = random_ids(OWN, vocab, seed=2, rows=leaves_n)
+    blocks = -(-prefix // BLOCK_SIZE) + leaves_n * (2 * -(-(OWN + steps) // BLOCK_SIZE) + 2) + 8
+    table = report.table(f"decode step, {leaves_n} leaves under {prefix:,} tokens, {setup.shape_name(args.shape)}",
+                         [Column("variant", "variant", label=True), Column("step_ms", "step ms", "{:.3f}"),
+                          Column("floor_ms", "floor ms", "{:.3f}"), Column("x_floor", "x floor", "{:.2f}"),
+                          Column("x_tp1", "x TP=1", "{:.2f}")])
+    costs = one_gpu_ms = None
+    variants = [("TP=1", 1, {})] + ([("TP=1 eager", 1, {"cuda_graphs": False})] if setup.device.type == "cuda" else [])
+    variants += [(f"TP={degree}", degree, {}) for degree in sorted(set(args.degrees) - {1})]
+    for name, degree, options in variants:
+        engine = Engine.from_random(hf_config, device=str(setup.device), dtype=setup.dtype, num_blocks=blocks,
+                                    block_size=BLOCK_SIZE, tensor_parallel=degree, **options)
+        try:
+            if costs is None:   # rank 0 of a split model holds a shard: the whole model's costs come from TP=1
+                costs = model_costs(engine.model, engine.kv_dtype)
+            leaves = leaves_of(engine, leaves_n, prefix_ids, own_ids)
+            seconds = step_seconds(engine, leaves, steps, setup.device)
+        finally:
+            engine.close()
+            free_memory(setup.device)
+        one_gpu_ms = one_gpu_ms or seconds * 1e3   # the first row: TP=1 as a user gets it
+        context = prefix + leaves_n * (OWN + steps / 2)   # the prefix once, each leaf's own tokens mid-call
+        floor = floors.seconds((costs.weight_bytes + costs.kv_bytes(context)) / degree)
+        table.add(variant=name, step_ms=seconds * 1e3, floor_ms=floor * 1e3, x_floor=seconds / floor,
+                  x_tp1=seconds * 1e3 / one_gpu_ms)
+        log(f"  {name}: {seconds * 1e3:.3f} ms a step (floor {floor * 1e3:.3f})")
+    for row in table.rows[1:]:
+        if row["variant"].endswith("eager"):
+            continue
+        report.note(f"{row['variant']}: {row['x_tp1']:.2f}x the TP=1 step (target <= {TARGET}x "
+                    f"at 8B, 64 leaves, 4,096 tokens); tensor-parallel ranks run eagerly, without CUDA graphs, so far")
+    return report.finish(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Tensor parallelism over NCCL on two GPUs (skipped where fewer are present): an engine split over cuda:0 and cuda:1
+against the same engine on cuda:0 alone, in float32 on a tiny checkpoint (greedy tokens over 64 steps, logits
+within 1e-4, a fork continued, a batch of sampled branches), and in bfloat16 at a real shape (logits within bf16's
+tolerance); close() ends the workers, and a killed worker is a clear error within 30 s."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from dendrite_nb import Engine, SamplingParams
+from dendrite_nb.errors import TensorParallelError
+from dendrite_nb.testing import TINY_SHAPES
+from tests.support.engines import engine_state
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.9, top_k=50)
+CONFIG = TINY_SHAPES["llama-gqa-untied"].hf_config(vocab_size=256)
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    one = Engine.from_random(CONFIG, device="cuda", num_blocks=96, block_size=16)
+    two = Engine.from_random(CONFIG, device="cuda", num_blocks=96, block_size=16, tensor_parallel=2)
+    yield one, two
+    two.close()
+    one.close()
+
+
+@pytest.fixture
+def engines(pair):
+    yield pair
+    for engine in pair:
+        if engine.branches:
+            engine.prune(*engine.branches)
+
+
+def test_greedy_tokens_and_logits_match_one_gpu(engines):
+    one, two = engines
+    assert two.tensor_parallel == 2 and two._tensor_group.rank_device(1) == torch.device("cuda", 1)
+    for engine in engines:
+        engine.new_branch("a", PROMPT)
+    torch.testing.assert_close(two.next_logits(["a"]), one.next_logits(["a"]), rtol=0, atol=1e-4)
+    tokens = [engine.generate(["a"], 64, GREEDY)[0] for engine in engines]
+    assert tokens[1] == tokens[0]
+    torch.testing.assert_close(two.next_logits(["a"]), one.next_logits(["a"]), rtol=0, atol=1e-4)
+    assert engine_state(two) == engine_state(one)
+    two.audit()
+
+
+def test_a_fork_continued_equals_the_linear_run(engines):
+    _, two = engines
+    two.new_branch("linear", PROMPT)
+    linear = two.generate(["linear"], 48, GREEDY)[0]
+    two.new_branch("trunk", PROMPT)
+    head = two.generate(["trunk"], 13, GREEDY)[0]
+    (kid,) = two.fork("trunk", names=["kid"])
+    two.generate(["trunk"], 5, GREEDY)
+    assert head + two.generate([kid], 35, GREEDY)[0] == linear
+
+
+def test_sampled_forks_in_one_batch_match_one_gpu(engines):
+    def run(engine):
+        engine.new_branch("root", PROMPT)
+        kids = engine.fork("root", n=4)
+        engine.append_many((kid, [7 + i] * (i + 1)) for i, kid in enumerate(kids))
+        return engine.generate(kids, 24, SAMPLED)
+    results = [run(engine) for engine in engines]
+    assert results[1] == results[0]
+
+
+def test_real_shape_logits_within_bfloat16_tolerance():
+    """Qwen3-0.6B's shape in bfloat16 (random weights): TP=2's next-token logits against one GPU's, relative to
+    their scale, as bf16 rounding of differently summed partial products allows."""
+    from dendrite_nb.testing.shapes import REAL_SHAPES
+
+    config = REAL_SHAPES["qwen3-0.6b"].hf_config()
+    prompt = list(range(100, 400))
+    logits = []
+    for degree in (1, 2):
+        engine = Engine.from_random(config, device="cuda", dtype="bfloat16", num_blocks=64, block_size=16,
+                                    tensor_parallel=degree)
+        try:
+            engine.new_branch("a", prompt)
+            logits.append(engine.next_logits(["a"]).float())
+            tokens = engine.generate(["a"], 16, GREEDY)[0]
+        finally:
+            engine.close()
+    scale = logits[0].abs().max()
+    assert (logits[1] - logits[0]).abs().max() <= 0.05 * scale
+    assert tokens   # both ran a decode; bf16 rounding may part their greedy paths, so they are not compared
+
+
+def test_close_ends_the_workers_and_a_killed_worker_is_a_clear_error():
+    first = Engine.from_random(CONFIG, device="cuda", num_blocks=16, tensor_parallel=2)
+    (pid,) = first._tensor_group.pids
+    first.new_branch("a", [1, 2, 3])
+    tokens = first.generate(["a"], 8, GREEDY)
+    first.close()
+    assert not first._tensor_group.processes[0].is_alive()
+    second = Engine.from_random(CONFIG, device="cuda", num_blocks=16, tensor_parallel=2)
+    try:
+        second.new_branch("a", [1, 2, 3])
+        assert second.generate(["a"], 8, GREEDY) == tokens
+        before = engine_state(second)
+        (pid,) = second._tensor_group.pids
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="SIGKILL"):
+            second.generate(["a"], 4, GREEDY)
+        assert time.monotonic() - started < 30
+        assert engine_state(second) == before
+    finally:
+        second.close()
