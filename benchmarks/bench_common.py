@@ -35,7 +35,8 @@ from dendrite_nb.testing import REAL_SHAPES, TINY_SHAPES
 # Tiny shapes carry no vocabulary (it comes with their tokenizer); smoke runs give them one.
 SMOKE_VOCAB = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2}
 # The tiny shape of the same family that stands in for each real one in smoke runs.
-SMOKE_STAND_INS = {"qwen3-0.6b": "qwen3-gqa-tied", "llama-3.2-1b": "llama-mha-tied", "llama-3.1-8b": "llama-gqa-untied"}
+SMOKE_STAND_INS = {"qwen3-0.6b": "qwen3-gqa-tied", "llama-3.2-1b": "llama-mha-tied", "llama-3.1-8b": "llama-gqa-untied",
+                   "llama-3.1-70b": "llama-gqa-untied"}
 # Errors that mean "this variant cannot be built here" (an unknown option, an unavailable backend, no memory).
 UNAVAILABLE_ERRORS = (TypeError, ValueError, NotImplementedError, ImportError, RuntimeError)
 

@@ -12,8 +12,13 @@ once per step (every one but the embedding table) + the prefix's KV once + each 
 bandwidth of one GPU (TP=1) or divided among N GPUs (TP=N: each reads its 1/N share at the same rate at once; the
 all-reduces are not counted).
 
+--tree-of-thought: instead, a model too large for one GPU (default Llama-3.1-70B's shape, 141 GB in bf16) split
+over --degrees GPUs searches tree_of_thought.py's tree (width 5, depth 10, 32 sampled tokens a level, a 256-token
+prompt); its wall time, per decode step, each GPU's peak memory, and the floor of its decode steps.
+
     python benchmarks/tensor_parallel.py [--shape llama-3.1-8b] [--leaves 64] [--prefix 4096] [--degrees 2]
                                          [--steps 16] [--json PATH] [--smoke]
+    python benchmarks/tensor_parallel.py --tree-of-thought [--shape llama-3.1-70b] [--degrees 2]
 """
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ import torch
 from bench_common import (Column, Report, free_memory, generate_on_copies, log, measure_floors, model_costs, parser,
                           random_ids, setup as make_setup)
 from dendrite_nb import Engine, SamplingParams
+from dendrite_nb.model.config import ModelConfig
 from dendrite_nb.testing import REAL_SHAPES
+from tree_of_thought import engine_search
 
 CALLS = 3
 OWN = 16
@@ -46,14 +53,20 @@ def step_seconds(engine: Engine, leaves: list, steps: int, device: torch.device)
 
 def main(argv: list[str] | None = None) -> dict:
     arguments = parser(__doc__)
-    arguments.add_argument("--shape", choices=sorted(REAL_SHAPES), default="llama-3.1-8b")
+    arguments.add_argument("--shape", choices=sorted(REAL_SHAPES), default=None,
+                           help="default llama-3.1-8b (llama-3.1-70b with --tree-of-thought)")
+    arguments.add_argument("--tree-of-thought", action="store_true",
+                           help="search a tree of thought with a model split over --degrees GPUs (no TP=1 row)")
     arguments.add_argument("--leaves", type=int, default=None, help="default 64 (smoke 4)")
     arguments.add_argument("--prefix", type=int, default=None, help="prefix tokens (default 4096; smoke 40)")
     arguments.add_argument("--degrees", type=int, nargs="+", default=[2],
                            help="the split degrees (default 2); TP=1 always runs first, as the baseline")
     arguments.add_argument("--steps", type=int, default=None, help="steps per timed call (default 16; smoke 2)")
     args = arguments.parse_args(argv)
+    args.shape = args.shape or ("llama-3.1-70b" if args.tree_of_thought else "llama-3.1-8b")
     setup = make_setup(args)
+    if args.tree_of_thought:
+        return tree_of_thought(args, setup)
     leaves_n = args.leaves or (4 if setup.smoke else 64)
     prefix = args.prefix or (40 if setup.smoke else 4096)
     steps = args.steps or (2 if setup.smoke else 16)
@@ -97,6 +110,56 @@ def main(argv: list[str] | None = None) -> dict:
         report.note(f"{row['variant']}: {row['x_tp1']:.2f}x the TP=1 step (target <= {TARGET}x "
                     f"at 8B, 64 leaves, 4,096 tokens); tensor-parallel ranks run eagerly, without CUDA graphs, so far")
     return report.finish(args.json)
+
+
+def tree_of_thought(args, setup) -> dict:
+    """The search of tree_of_thought.py by a model split over max(--degrees) ranks; one untimed warm-up search."""
+    degree = max(args.degrees)
+    width, depth, tokens, prompt_len = (3, 2, 4, 16) if setup.smoke else (5, 10, 32, 256)
+    report = Report("tensor_parallel", setup)
+    report.floors = floors = measure_floors(setup)
+    hf_config = setup.hf_config(args.shape)
+    config = ModelConfig.from_hf(hf_config)
+    blocks = -(-(prompt_len + depth * tokens) // BLOCK_SIZE) + depth * width * (-(-tokens // BLOCK_SIZE) + 1) + 64
+    engine = Engine.from_random(hf_config, device=str(setup.device), dtype=setup.dtype, num_blocks=blocks,
+                                block_size=BLOCK_SIZE, tensor_parallel=degree)
+    try:
+        log(f"{setup.shape_name(args.shape)} at tensor_parallel={degree}: {engine.config.describe()}, attention "
+            f"{engine.backend.name}")
+        prompt_ids = random_ids(prompt_len, config.vocab_size, seed=1)
+        engine_search(engine, prompt_ids, width, 1, 2)   # untimed: first launches and compiles
+        seconds = engine_search(engine, prompt_ids, width, depth, tokens)
+    finally:
+        peaks = ([torch.cuda.max_memory_allocated(i) / 2**30 for i in range(torch.cuda.device_count())]
+                 if setup.device.type == "cuda" else [])
+        engine.close()
+    # Each decode step reads every rank's share of the weights and the tree's KV once, all ranks at once.
+    weight_bytes = sum(p.numel() for p in _layer_and_head_params(config)) * setup.dtype.itemsize
+    mean_context = prompt_len + depth * tokens / 2
+    step_floor = floors.seconds((weight_bytes + width * mean_context * config.kv_bytes_per_token *
+                                 setup.dtype.itemsize) / degree)
+    steps = depth * tokens
+    table = report.table(f"tree of thought, width {width}, depth {depth}, {tokens} tokens a level, "
+                         f"{setup.shape_name(args.shape)} over {degree} ranks",
+                         [Column("system", "system", label=True), Column("s", "wall s", "{:.2f}"),
+                          Column("step_ms", "ms a decode step", "{:.1f}"), Column("floor_ms", "step floor ms", "{:.2f}"),
+                          Column("x_floor", "x floor", "{:.1f}"), Column("peak_gib", "rank 0 peak GiB", "{:.1f}")])
+    table.add(system=f"engine, TP={degree}", s=seconds, step_ms=seconds / steps * 1e3, floor_ms=step_floor * 1e3,
+              x_floor=seconds / steps / step_floor, peak_gib=peaks[0] if peaks else None)
+    report.note(f"{steps} decode steps of {width} leaves and {depth} forks and prunes; the weights alone are "
+                f"{weight_bytes / 1e9:,.1f} GB ({weight_bytes / degree / 1e9:,.1f} GB a rank)")
+    return report.finish(args.json)
+
+
+def _layer_and_head_params(config: ModelConfig) -> list[torch.Tensor]:
+    """The parameters a decode step reads (all but the embedding table), as meta tensors: their sizes only."""
+    from dendrite_nb.model.transformer import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    embed = model.model.embed_tokens.weight
+    return [p for p in {id(p): p for p in model.parameters()}.values()
+            if p is not embed or config.tie_word_embeddings]
 
 
 if __name__ == "__main__":

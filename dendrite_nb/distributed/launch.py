@@ -1,9 +1,9 @@
 """Building a tensor-parallel engine (Engine.from_pretrained / from_random with tensor_parallel > 1): check the
 request before anything starts, start the workers, build and check rank 0's shard, and hand both to the engine.
 
-Every rank builds the whole model from the same ModelSpec (the same file, loaded on the CPU, or the same config and
-seed, drawn on the rank's device), checks that its checksum equals rank 0's, keeps its shard and moves that to its
-device.
+Every rank builds its shard from the same ModelSpec (the same file, loaded whole on the CPU and cut, or the same
+config and seed, drawn on the rank's device a parameter at a time and cut at once) and checks that its checksum of
+the whole model equals rank 0's.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..config import KV_DTYPES, EngineConfig, parse_dtype
 from ..errors import TensorParallelError
 from ..model.transformer import CausalLM
 from .group import TensorGroup
-from .shard import check_degree, shard_model, weights_checksum
+from .shard import check_degree, connect
 from .spec import ModelSpec
 
 # What an engine offers that tensor_parallel > 1 does not run yet: a clear error rather than a wrong result.
@@ -48,11 +48,9 @@ def start(spec: ModelSpec, world: int, device: torch.device) -> tuple[CausalLM, 
     """(rank 0's shard on its device, the tokenizer, where the weights came from, the running workers)."""
     group = TensorGroup(world, device, spec)
     try:
-        model, tokenizer, origin = spec.build(group.rank_device(0))
-        group.check_weights(weights_checksum(model))
-        shard_model(model, 0, world, group.all_reduce)
-        model = model.to(group.rank_device(0))
-        model.materialize(group.rank_device(0))
+        model, tokenizer, origin, checksum = spec.build_shard(0, world, group.rank_device(0))
+        group.check_weights(checksum)
+        connect(model, 0, world, group.all_reduce)
     except BaseException:
         group.close()
         raise

@@ -56,46 +56,73 @@ def weights_checksum(model: nn.Module) -> list[float]:
         return [float(param.double().sum()) for _, param in sorted(model.named_parameters())]
 
 
-def _rows(linear: nn.Linear, part: slice) -> None:
-    """Keep output rows `part` of linear's weight (and bias)."""
-    linear.weight = nn.Parameter(linear.weight[part].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias[part].clone(), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
+# Which products split by output rows and which by input columns, and the size each rank's part is counted in.
+_ROW_SPLIT = {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads", "gate_proj": "features",
+              "up_proj": "features"}
+_COLUMN_SPLIT = {"o_proj": "heads", "down_proj": "features"}
+DROP = "drop"   # parameter_part: this rank holds none of it
 
 
-def _columns(linear: nn.Linear, part: slice, keep_bias: bool) -> None:
-    """Keep input columns `part` of linear's weight; its bias only where keep_bias (rank 0)."""
-    linear.weight = nn.Parameter(linear.weight[:, part].clone(), requires_grad=False)
-    if linear.bias is not None and not keep_bias:
-        linear.bias = None
-    linear.in_features = linear.weight.shape[1]
+def parameter_part(name: str, config: ModelConfig, rank: int, world: int) -> tuple[int, slice] | str | None:
+    """What rank keeps of the whole model's parameter `name`: (dim, slice) of it, None for all of it, or DROP.
+    A row-split product's bias splits with its rows; a column-split one's stays whole on rank 0 alone (the
+    all-reduce adds it once); only rank 0 keeps an untied LM head."""
+    module, kind = name.split(".")[-2:]
+    if name == "lm_head.weight":
+        return DROP if rank != 0 and not config.tie_word_embeddings else None
+    heads, kv_heads = local_heads(config, world)
+    width = {"heads": heads * config.head_dim, "kv_heads": kv_heads * config.head_dim,
+             "features": config.intermediate_size // world}
+    if module in _ROW_SPLIT:
+        span = width[_ROW_SPLIT[module]]
+        return 0, slice(rank * span, (rank + 1) * span)
+    if module in _COLUMN_SPLIT:
+        if kind == "bias":
+            return None if rank == 0 else DROP
+        span = width[_COLUMN_SPLIT[module]]
+        return 1, slice(rank * span, (rank + 1) * span)
+    return None
+
+
+def place(model: CausalLM, name: str, whole: torch.Tensor, part: tuple[int, slice] | str | None) -> None:
+    """Set parameter `name` of `model` to rank's part of `whole` (a copy, so the whole tensor can be freed)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if part == DROP:
+        if name == "lm_head.weight":
+            model.lm_head = None
+        else:
+            setattr(owner, leaf, None)   # a bias: nn.Linear reads None as none
+        return
+    kept = whole if part is None else whole.narrow(part[0], part[1].start, part[1].stop - part[1].start).clone()
+    setattr(owner, leaf, nn.Parameter(kept, requires_grad=False))
+    if isinstance(owner, nn.Linear) and leaf == "weight":
+        owner.out_features, owner.in_features = kept.shape
+
+
+def shard_weights(model: CausalLM, rank: int, world: int) -> None:
+    """Cut a whole model's float weights down to rank's part, in place."""
+    if model.weights_format is not None or model.fused_kernels:
+        raise TensorParallelError(f"tensor_parallel > 1 shards float weights run by the reference path; this model "
+                                  f"has {model.weights_format or 'fused'} weights.")
+    for name, param in list(model.named_parameters()):
+        part = parameter_part(name, model.config, rank, world)
+        if part is not None:   # a whole one stays as it is (replaced, a tied embedding would come untied)
+            place(model, name, param.data, part)
+
+
+def connect(model: CausalLM, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None]) -> None:
+    """Make a model whose weights are rank's part run as that rank: its head counts, the all-reduce hooks."""
+    heads, kv_heads = local_heads(model.config, world)
+    for layer in model.model.layers:
+        layer.self_attn.shape = (heads, kv_heads, model.config.head_dim)
+        layer.self_attn.all_reduce = all_reduce
+        layer.mlp.all_reduce = all_reduce
+    model.tensor_parallel = (rank, world)
 
 
 def shard_model(model: CausalLM, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None]) -> None:
     """Cut `model` (whole, float weights) down to rank's shard, in place, and set the all-reduce hooks.
     check_degree(world, model.config) must have passed."""
-    if model.weights_format is not None or model.fused_kernels:
-        raise TensorParallelError(f"tensor_parallel > 1 shards float weights run by the reference path; this model "
-                                  f"has {model.weights_format or 'fused'} weights.")
-    config = model.config
-    heads, kv_heads = local_heads(config, world)
-    head_dim, features = config.head_dim, config.intermediate_size // world
-    q_part = slice(rank * heads * head_dim, (rank + 1) * heads * head_dim)
-    kv_part = slice(rank * kv_heads * head_dim, (rank + 1) * kv_heads * head_dim)
-    mlp_part = slice(rank * features, (rank + 1) * features)
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        _rows(attention.q_proj, q_part)
-        _rows(attention.k_proj, kv_part)
-        _rows(attention.v_proj, kv_part)
-        _columns(attention.o_proj, q_part, keep_bias=rank == 0)
-        attention.shape = (heads, kv_heads, head_dim)
-        attention.all_reduce = all_reduce
-        _rows(mlp.gate_proj, mlp_part)
-        _rows(mlp.up_proj, mlp_part)
-        _columns(mlp.down_proj, mlp_part, keep_bias=rank == 0)
-        mlp.all_reduce = all_reduce
-    if rank != 0 and not config.tie_word_embeddings:   # only rank 0 computes logits
-        model.lm_head = None
-    model.tensor_parallel = (rank, world)
+    shard_weights(model, rank, world)
+    connect(model, rank, world, all_reduce)

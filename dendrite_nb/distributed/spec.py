@@ -1,6 +1,6 @@
-"""What every rank of a tensor-parallel engine builds its whole model from: a checkpoint path or a random-weight
-config, and the dtype. It crosses to the workers pickled (plain data), and each rank builds the same whole model
-from it before keeping its shard (distributed/shard.py)."""
+"""What every rank of a tensor-parallel engine builds its shard from: a checkpoint path or a random-weight config,
+and the dtype. It crosses to the workers pickled (plain data); each rank builds its own shard from it
+(build_shard) and a checksum of the whole model, which rank 0 compares."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,19 +28,15 @@ class ModelSpec(NamedTuple):
         gguf_file = find_gguf(Path(self.checkpoint))
         return open_gguf(gguf_file).config if gguf_file is not None else read_config(Path(self.checkpoint))[0]
 
-    def build(self, device: torch.device, tokenizer: bool = True) -> tuple[CausalLM, Any, Path | None]:
-        """(the whole model, its tokenizer or None, the file or folder it came from or None). Random weights are
-        drawn on `device` (the rank's own), as Engine.from_random draws them there at tensor_parallel=1: a
-        generator's numbers depend on the kind of device it runs on, and a GPU draws an 8B model in a second where
-        a CPU takes a minute. A checkpoint loads on the CPU. Workers pass tokenizer=False: they never see text,
-        and an HF tokenizer costs seconds of importing transformers."""
+    def _load_whole(self, tokenizer: bool) -> tuple[CausalLM, Any, Path]:
+        """(the whole checkpoint's model on the CPU, its tokenizer or None, the file or folder it came from).
+        Workers pass tokenizer=False: they never see text, and an HF tokenizer costs seconds of importing
+        transformers."""
         from ..engine import build
         from ..model.gguf import find_gguf, load_weights, open_gguf
         from ..model.loader import load_model, read_config
 
         cpu = torch.device("cpu")
-        if self.checkpoint is None:
-            return build.random_weights(self.hf_config, device, self.dtype, self.weight_seed), None, None
         if tokenizer:
             return build.load_checkpoint(self.checkpoint, cpu, self.dtype)
         path = Path(self.checkpoint)
@@ -48,3 +44,21 @@ class ModelSpec(NamedTuple):
         if gguf_file is not None:
             return load_weights(open_gguf(gguf_file), cpu, self.dtype), None, gguf_file
         return load_model(path, read_config(path)[0], cpu, self.dtype), None, path
+
+    def build_shard(self, rank: int, world: int, device: torch.device,
+                    tokenizer: bool = True) -> tuple[CausalLM, Any, Path | None, list[float]]:
+        """(rank's shard of the model on `device`, the tokenizer or None, where it came from, the whole model's
+        checksum). Random weights are drawn a parameter at a time and cut at once (random_shard.py), so no rank
+        holds the whole model; a checkpoint is still loaded whole on the CPU first, then cut."""
+        from .random_shard import random_shard
+        from .shard import shard_weights, weights_checksum
+
+        if self.checkpoint is None:
+            model, checksum = random_shard(self.config(), device, self.dtype, self.weight_seed, rank, world)
+            return model, None, None, checksum
+        model, tokens, origin = self._load_whole(tokenizer)
+        checksum = weights_checksum(model)
+        shard_weights(model, rank, world)
+        model = model.to(device)
+        model.materialize(device)
+        return model, tokens, origin, checksum

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: rank r (1..N-1) of an engine, a process spawned by distributed/group.py.
 
-It builds the same whole model as rank 0 (from the ModelSpec), reports a checksum of it, keeps its shard, and then
+It builds its shard of the model rank 0 splits (from the ModelSpec), reports the whole model's checksum, and then
 does what rank 0 tells it, one command at a time, until told to close:
 
     setup    build the attention backend and this rank's KV pool: its KV heads, rank 0's block ids
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..attention import make_backend
 from ..kv import KVPool
 from .channels import COLLECTIVE_TIMEOUT, Channels
-from .shard import local_heads, shard_model, weights_checksum
+from .shard import connect, local_heads
 from .spec import ModelSpec
 
 
@@ -112,11 +112,9 @@ def serve(rank: int, world: int, host: str, port: int, spec: ModelSpec, device_n
             torch.cuda.set_device(device)
         store.set(f"joined/{rank}", b"1")
         channels = Channels(store, rank, world, device)
-        model, _, _ = spec.build(device, tokenizer=False)
-        store.set(f"checksum/{rank}", pickle.dumps(weights_checksum(model)))
-        shard_model(model, rank, world, channels.all_reduce)
-        model = model.to(device)
-        model.materialize(device)
+        model, _, _, checksum = spec.build_shard(rank, world, device, tokenizer=False)
+        store.set(f"checksum/{rank}", pickle.dumps(checksum))
+        connect(model, rank, world, channels.all_reduce)
         with torch.inference_mode():
             Worker(channels, model, device).run(store, rank)
     except BaseException as error:

@@ -200,6 +200,22 @@ REAL_SHAPES: dict[str, CheckpointShape] = {
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
     }),
+    # One card cannot hold it in bf16 (141 GB): the tensor-parallel benchmark's (benchmarks/tensor_parallel.py).
+    "llama-3.1-70b": CheckpointShape("llama", {
+        "vocab_size": 128256,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "rope_parameters": _llama3_rope(500000.0, 8.0, 8192),
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+    }),
 }
 
 

@@ -278,3 +278,13 @@ def test_tensor_parallel(run):
     assert one["x_tp1"] == 1.0 and two["step_ms"] > 0
     assert math.isclose(two["floor_ms"], one["floor_ms"] / 2, rel_tol=1e-9)
     assert "TP=2: " in printed and "the TP=1 step" in payload["notes"][0]
+
+
+def test_tensor_parallel_tree_of_thought(run):
+    """--tree-of-thought: one row, the search by a model split over two gloo processes, its per-step floor a rank's
+    share of the bytes."""
+    payload, _ = run("tensor_parallel", "--tree-of-thought")
+    (row,) = rows(payload)
+    assert row["system"] == "engine, TP=2" and row["s"] > 0 and row["floor_ms"] > 0
+    assert math.isclose(row["step_ms"], row["s"] / 8 * 1e3, rel_tol=1e-9)   # smoke: depth 2 x 4 tokens
+    assert "8 decode steps of 3 leaves" in payload["notes"][0]

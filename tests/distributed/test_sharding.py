@@ -118,3 +118,27 @@ def test_the_degrees_a_model_takes():
     for bad in (0, -2, True, 2.0, "2", None):
         with pytest.raises(TensorParallelError, match="must be an int >= 1"):
             check_degree(bad)
+
+
+@pytest.mark.parametrize("shape", ["llama-biased", "qwen3-gqa-tied", "llama-gqa-untied"])
+def test_a_shard_drawn_alone_equals_the_whole_models_shard(shape):
+    """random_shard (what a rank of Engine.from_random builds, never holding the whole model) gives each rank the
+    very weights that cutting loader.random_model's whole model gives it, and the whole model's checksum."""
+    from dendrite_nb.distributed.random_shard import random_shard
+    from dendrite_nb.distributed.shard import shard_weights
+
+    config = ModelConfig.from_hf(TINY_SHAPES[shape].hf_config(vocab_size=96))
+    cpu = torch.device("cpu")
+    whole = random_model(config, cpu, torch.float32, seed=5)
+    for rank in range(WORLD):
+        cut = copy.deepcopy(whole)
+        shard_weights(cut, rank, WORLD)
+        drawn, checksum = random_shard(config, cpu, torch.float32, 5, rank, WORLD)
+        assert checksum == weights_checksum(whole)
+        want, got = dict(cut.named_parameters()), dict(drawn.named_parameters())
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+        assert (drawn.lm_head is None) == (cut.lm_head is None)
+        if config.tie_word_embeddings:
+            assert drawn.lm_head.weight is drawn.model.embed_tokens.weight
