@@ -62,17 +62,34 @@ class SessionEngine(Protocol):
     def close(self) -> None: ...
 
 
-# Options a restore may change: they do not alter what the saved state means.
-FREE_OPTIONS = (*EngineConfig.restore_overrides(), "checkpoint")
+# Options a restore may change: they do not alter what the saved state means. tensor_parallel among them: a split
+# engine saves its whole model's fingerprint and its KV gathered from every rank, as one process would.
+FREE_OPTIONS = (*EngineConfig.restore_overrides(), "checkpoint", "tensor_parallel")
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """model_fingerprint of the whole model: a tensor-parallel rank's shard carries its whole model's."""
+    return getattr(model, "whole_fingerprint", None) or model_fingerprint(model)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """SHA-256 over every parameter's name, shape, dtype and a sample of its values (first and last 256)."""
+    return fingerprint({name: parameter_sample(tensor) for name, tensor in model.state_dict().items()})
+
+
+def parameter_sample(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.Tensor]:
+    """What model_fingerprint reads of one whole parameter: its shape, dtype and first and last 256 values. A
+    tensor-parallel rank takes it of each whole parameter before cutting its part (distributed/random_shard.py),
+    so a split model's fingerprint is the whole model's."""
+    flat = tensor.detach().reshape(-1)
+    return tuple(tensor.shape), tensor.dtype, torch.cat([flat[:256], flat[-256:]]).to("cpu", torch.float32)
+
+
+def fingerprint(samples: dict[str, tuple[tuple[int, ...], torch.dtype, torch.Tensor]]) -> str:
+    """model_fingerprint of the parameters `samples` describes, by state_dict name."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        sample = torch.cat([flat[:256], flat[-256:]]).to("cpu", torch.float32)
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+    for name, (shape, dtype, sample) in sorted(samples.items()):
+        digest.update(f"{name}{shape}{dtype}".encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()
 
@@ -125,7 +142,7 @@ def save(engine: SessionEngine, path: str | Path) -> Path:
         })
     manifest = {
         "format": FORMAT, "version": VERSION,
-        "model": {"config": dataclasses.asdict(engine.config), "fingerprint": model_fingerprint(engine.model)},
+        "model": {"config": dataclasses.asdict(engine.config), "fingerprint": weights_fingerprint(engine.model)},
         "source": engine.source,
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "block_size": engine.pool.block_size, "options": engine.options, "next_node_id": dump.next_node_id,
@@ -245,7 +262,7 @@ def restore(engine_type: type[SessionEngine], path: str | Path, **overrides: Any
     check_generators(manifest, tensors, device)
     engine = _build(engine_type, manifest, overrides, device, used)
     try:
-        if model_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
+        if weights_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
             raise SaveFileError("the model loaded for this session is not the one it was saved with (its weights "
                                 "differ); restore with checkpoint= pointing at the model the session was saved from.")
         check_model_config(json.loads(json.dumps(dataclasses.asdict(engine.config))), manifest)

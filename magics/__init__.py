@@ -24,6 +24,8 @@ public API.
 """
 from __future__ import annotations
 
+import contextlib
+
 from dendrite_nb import Engine
 
 from .session import Session
@@ -55,8 +57,17 @@ def load_ipython_extension(ipython) -> None:
         ipython.register_magics(magics(ipython, _SESSION))
     if _remember_cell not in ipython.events.callbacks["pre_run_cell"]:
         ipython.events.register("pre_run_cell", _remember_cell)
+    ipython.observe(_exiting, names="exit_now")
 
 
 def unload_ipython_extension(ipython) -> None:
     if _remember_cell in ipython.events.callbacks["pre_run_cell"]:
         ipython.events.unregister("pre_run_cell", _remember_cell)
+    with contextlib.suppress(ValueError):   # traitlets' word for a handler it does not hold
+        ipython.unobserve(_exiting, names="exit_now")
+
+
+def _exiting(change) -> None:
+    """The shell's exit_now turned on: the kernel is shutting down (Session.kernel_exiting)."""
+    if change["new"]:
+        _SESSION.kernel_exiting()

@@ -44,11 +44,13 @@ class Loaded(PrettyByRepr):
     source: str          # checkpoint folder or "demo: MODEL (PATH)"
     replaced: str | None  # the engine that was closed to make room, if any
     fallback: str | None = None  # why a stand-in was loaded instead of the model asked for (the demo's), if so
+    ranks: str | None = None     # where a tensor-parallel engine's processes run (ranks_line); None at --tp 1
 
     def __repr__(self) -> str:
         before = f"{self.fallback}\n" if self.fallback else ""
+        ranks = f"\n{self.ranks}" if self.ranks else ""
         note = f"\n(closed and freed the previous engine: {self.replaced})" if self.replaced else ""
-        return f"{before}loaded {self.source}\n{self.engine}{note}"
+        return f"{before}loaded {self.source}\n{self.engine}{ranks}{note}"
 
 
 @dataclass(frozen=True, repr=False)

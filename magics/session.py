@@ -3,17 +3,20 @@
 A session outlives cells; magics reach it through `current_session()`. Loading a second model
 closes the first engine (its weights and KV cache are freed at once, even if a notebook variable
 still refers to it), so a kernel never holds two models by accident. A server the session runs
-(`%dendrite serve`) is stopped first, and when the kernel exits.
+(`%dendrite serve`) is stopped first, and when the kernel exits. Where either engine is
+tensor-parallel, the first is closed before the second loads: its workers hold the GPUs.
 """
 from __future__ import annotations
 
 import atexit
 import fnmatch
 import gc
+import multiprocessing
 import warnings
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import traitlets
 from IPython.core.error import UsageError
@@ -22,6 +25,7 @@ from IPython.core.magic import Magics
 from dendrite_nb import Branch, Engine, StepHistory
 from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView
 
+from .arguments import user_errors
 from .rerun import CellWrite
 from .serving import KernelServer
 
@@ -41,7 +45,7 @@ class Session:
     def __init__(self):
         self.engine: Engine | None = None
         self.source: str | None = None           # the checkpoint folder, or "demo: MODEL (PATH)"
-        self.demo_options: tuple[str, int] | None = None  # (device, num_blocks) of %dendrite demo's engine, else None
+        self.demo_options: tuple[str, int, int] | None = None  # (device, num_blocks, tp) of %dendrite demo's engine
         self.history = StepHistory()             # step timings of the latest generation, for %throughput
         self.cell_source: str | None = None      # the raw text of the cell now running (pre_run_cell)
         self.last_result: Any = None             # the last generation's result, kept even when interrupted
@@ -77,27 +81,68 @@ class Session:
         return self.engine
 
     def install(self, engine: Engine, source: str, replace: bool,
-                demo_options: tuple[str, int] | None = None) -> Engine | None:
+                demo_options: tuple[str, int, int] | None = None) -> Engine | None:
         """Make `engine` the session's engine. Returns the engine it replaced (already closed), if any.
-        demo_options: the (device, num_blocks) %dendrite demo loaded it with, so a second %dendrite demo asking
-        for the same can reuse it."""
+        demo_options: the (device, num_blocks, tp) %dendrite demo loaded it with, so a second %dendrite demo
+        asking for the same can reuse it."""
         try:
             self.check_can_load(replace)
         except UsageError:
             engine.close()
             raise
+        old = self.close_engine()
+        self.engine, self.source, self.demo_options = engine, source, demo_options
+        self.history = StepHistory()
+        self._subscription = engine.subscribe(self.history)
+        return old
+
+    def load(self, make: Callable[[], Engine], source: str, replace: bool, tensor_parallel: int,
+             demo_options: tuple[str, int, int] | None = None) -> tuple[Engine, Engine | None]:
+        """Make the session's engine with make(), whose request the caller has checked already (a bad path,
+        option or degree must change nothing); returns (the new engine, the one it replaced, closed, or None).
+        The loaded engine keeps working while the new one loads, so a load that fails leaves it as it was,
+        except where either is tensor-parallel: the loaded one is closed first, since its workers hold devices
+        the new one needs (two GPUs full of one model cannot take a second). A load that fails after that leaves
+        the session without an engine, and its error says so."""
+        self.check_can_load(replace)
+        old = self.engine
+        if old is None or (tensor_parallel == 1 and old.tensor_parallel == 1):
+            with user_errors():
+                engine = make()
+            return engine, self.install(engine, source, replace, demo_options)
+        closed = repr(old)
+        self.close_engine()
+        try:
+            with user_errors():
+                engine = make()
+        except UsageError as error:
+            raise UsageError(f"{error} (The engine loaded before, {closed}, was closed first to free its devices, "
+                             f"as --replace does where a tensor-parallel engine is involved: no model is loaded "
+                             f"now.)") from None
+        self.install(engine, source, replace, demo_options)
+        return engine, old
+
+    def close_engine(self) -> Engine | None:
+        """Close the session's engine (a tensor-parallel one's workers end with it), its views and its server, and
+        leave the session without one. Returns it, closed, or None."""
         self.stop_server()
         self.cell_writes.clear()
         old = self.engine
         if old is not None:
             self.close_views()
             self._subscription.close()
-            old.close()
+            if not old.closed:   # the notebook may have closed it (current_engine().close())
+                old.close()
             gc.collect()
-        self.engine, self.source, self.demo_options = engine, source, demo_options
-        self.history = StepHistory()
-        self._subscription = engine.subscribe(self.history)
+        self.engine = self.source = self.demo_options = None
         return old
+
+    def kernel_exiting(self) -> None:
+        """The kernel shuts down (ipykernel sets the shell's exit_now, then ends the kernel's child processes before
+        Python's exit handlers run): close the engine now, so a tensor-parallel one's workers end as close() ends
+        them, and stop multiprocessing's resource tracker (stop_resource_tracker)."""
+        self.close_engine()
+        stop_resource_tracker()
 
     def check_can_load(self, replace: bool) -> None:
         """Refuse before spending time on loading a checkpoint that would be refused anyway."""
@@ -191,6 +236,16 @@ class SessionBoundMagics(Magics):
     def __init__(self, shell, session: Session):
         super().__init__(shell)
         self.session = session
+
+
+def stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker, the process the first spawned worker started in this kernel, once
+    no process it serves is left. At shutdown ipykernel sends the kernel's children SIGTERM, then SIGKILL, retrying
+    for about 30 s while any is left: the tracker ignores SIGTERM and, killed, stays a zombie until the kernel
+    exits, so the shutdown took 30 s, and the semaphores it tracks (those of a worker that was killed) stayed in
+    /dev/shm. Stopped, it unlinks them and exits at once. The call is private to multiprocessing (its tests use it)."""
+    if not multiprocessing.active_children():   # a live child would keep the tracker, and this wait, going
+        resource_tracker._resource_tracker._stop()
 
 
 def check_new_name(name: str) -> None:

@@ -2,7 +2,9 @@
 the OpenAI HTTP API (serve), show it (status).
 
 Every subcommand checks all of its input before it changes anything; a refused one leaves the loaded engine as it
-was.
+was. `--tp N` splits the model over N processes (Engine.from_pretrained's and Engine.restore's tensor_parallel);
+where the loaded engine or the new one is tensor-parallel, --replace closes the loaded one before the new one loads
+(session.py), after load's and demo's checks (Engine.check_pretrained); restore's are Engine.restore's own.
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ class SessionMagics(SessionBoundMagics):
 
         Usage::
 
-          %dendrite demo [--device cpu] [--replace]
+          %dendrite demo [--device cpu] [--num-blocks N] [--tp N] [--replace]
           %dendrite load PATH [--device cuda] [--dtype bfloat16] [--kv-dtype fp8]
-                              [--attention auto] [--block-size 16] [--num-blocks N] [--replace]
+                              [--attention auto] [--block-size 16] [--num-blocks N] [--tp N] [--replace]
           %dendrite status
           %dendrite save FILE
-          %dendrite restore FILE [--device cuda] [--num-blocks N] [--replace]
+          %dendrite restore FILE [--device cuda] [--num-blocks N] [--tp N] [--replace]
           %dendrite autosave FILE [--every N] | %dendrite autosave off
           %dendrite serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--replace]
           %dendrite serve stop
@@ -47,9 +49,21 @@ class SessionMagics(SessionBoundMagics):
           load PATH     an HF folder (config.json, safetensors weights, tokenizer files) or a .gguf file
           --attention   auto (default: triton with CUDA graphs on a GPU, torch-tree on the CPU),
                         triton, flashinfer, torch-tree or torch
-          --replace     close the loaded engine (freeing its memory and its branches) and load this one
+          --tp N        tensor parallelism: split the model over N processes, by attention heads and MLP
+                        features (default 1). On a GPU, one per GPU from --device cuda:i on (NCCL); on the
+                        CPU, gloo processes. The model's heads, KV heads and intermediate size must divide
+                        by N (the error says which N work). Rank 0 is this kernel; the workers end with
+                        the engine (--replace, the kernel's exit). %dendrite status lists them. restore
+                        takes any N the model does, whatever the session was saved at
+          --replace     close the loaded engine (freeing its memory and its branches) and load this one.
+                        The loaded engine stays until the new one has loaded, so a failed load keeps it,
+                        except where either is tensor-parallel (--tp > 1): its workers hold the devices
+                        the new one needs, so it is closed first, once the path, options and degree are
+                        checked (restore checks its file only as it restores); a load that fails after
+                        that leaves no model loaded, and says so
           status        the engine, its KV pool and its branches; prompt tokens reused and prefilled,
-                        the prefix cache, and the server
+                        the prefix cache, and the server; a tensor-parallel engine's ranks, their devices
+                        and process ids
           save FILE     write the whole session (tree, branches, sampling state, constraints, KV) to FILE,
                         atomically (missing folders are made); it survives a kernel restart
           restore FILE  load the model the session was saved with and the session itself; decoding goes on
@@ -68,6 +82,7 @@ class SessionMagics(SessionBoundMagics):
           %dendrite demo
           %dendrite load ~/models/Qwen3-0.6B --device cuda --dtype bfloat16
           %dendrite load ~/models/Llama-3.1-8B --device cuda --replace
+          %dendrite load ~/models/Llama-3.1-70B --device cuda --dtype bfloat16 --tp 2 --replace
           %dendrite save ~/runs/tot.dendrite
           %dendrite restore ~/runs/tot.dendrite --device cuda
           %dendrite serve --port 8000 --api-key secret
@@ -84,15 +99,19 @@ class SessionMagics(SessionBoundMagics):
     def _dendrite_load(self, rest: str) -> Loaded:
         args = parse_arguments(_load_arguments, rest)
         self.session.check_can_load(args.replace)
-        with user_errors():
-            engine = Engine.from_pretrained(args.path, dtype=args.dtype, **engine_options(args))
-        return self._install(engine, source_label(args.path), args.replace)
+        options = {"dtype": args.dtype, "tensor_parallel": args.tp, **engine_options(args)}
+        with user_errors():   # before the loaded engine may be closed for this one (Session.load)
+            Engine.check_pretrained(args.path, **options)
+        engine, old = self.session.load(lambda: Engine.from_pretrained(args.path, **options),
+                                        source_label(args.path), args.replace, args.tp)
+        return Loaded(repr(engine), self.session.source, repr(old) if old is not None else None,
+                      ranks=ranks_line(engine))
 
     def _dendrite_demo(self, rest: str) -> Loaded | Reused:
         from dendrite_nb.demo import find_demo_model
 
         args = parse_arguments(_demo_arguments, rest)
-        options = (args.device, args.num_blocks)
+        options = (args.device, args.num_blocks, args.tp)
         engine = self.session.engine
         if not args.replace and engine is not None and not engine.closed and self.session.demo_options == options:
             # Re-running a notebook from the top: keep the weights, start from an empty tree as a new kernel would
@@ -104,13 +123,17 @@ class SessionMagics(SessionBoundMagics):
                 freed = engine.prune(names) if names else 0
             return Reused(repr(engine), self.session.source, len(names), freed)
         self.session.check_can_load(args.replace)
+        load = {"device": args.device, "num_blocks": args.num_blocks, "tensor_parallel": args.tp}
         with user_errors():
             check_pool_options(num_blocks=args.num_blocks)   # before a first use spends seconds fetching the model
             parse_device(args.device)
             model = find_demo_model()
-            engine = Engine.from_pretrained(model.path, device=args.device, num_blocks=args.num_blocks)
-        old = self.session.install(engine, f"demo: {model.label} ({model.path})", args.replace, demo_options=options)
-        return Loaded(repr(engine), self.session.source, repr(old) if old is not None else None, model.fallback)
+            Engine.check_pretrained(model.path, **load)   # SmolLM2-135M's 3 KV heads take --tp 1 or 3
+        engine, old = self.session.load(lambda: Engine.from_pretrained(model.path, **load),
+                                        f"demo: {model.label} ({model.path})", args.replace, args.tp,
+                                        demo_options=options)
+        return Loaded(repr(engine), self.session.source, repr(old) if old is not None else None, model.fallback,
+                      ranks_line(engine))
 
     def _dendrite_save(self, rest: str) -> Saved:
         args = parse_arguments(_save_arguments, rest)
@@ -123,10 +146,11 @@ class SessionMagics(SessionBoundMagics):
     def _dendrite_restore(self, rest: str) -> Loaded:
         args = parse_arguments(_restore_arguments, rest)
         self.session.check_can_load(args.replace)
-        overrides = {"device": args.device} | ({"num_blocks": args.num_blocks} if args.num_blocks is not None else {})
-        with user_errors():
-            engine = Engine.restore(args.path, **overrides)
-        return self._install(engine, f"restored {args.path}", args.replace)
+        overrides = ({"device": args.device} | ({"num_blocks": args.num_blocks} if args.num_blocks is not None else {})
+                     | ({"tensor_parallel": args.tp} if args.tp != 1 else {}))
+        source = f"restored {args.path}"
+        engine, old = self.session.load(lambda: Engine.restore(args.path, **overrides), source, args.replace, args.tp)
+        return Loaded(repr(engine), source, repr(old) if old is not None else None, ranks=ranks_line(engine))
 
     def _dendrite_autosave(self, rest: str) -> AutosaveSet:
         if rest.strip() == "off":
@@ -164,10 +188,6 @@ class SessionMagics(SessionBoundMagics):
         return Serving(server.url, server.model_name, server.api_key_set,
                        running.url if running is not None else None)
 
-    def _install(self, engine: Engine, source: str, replace: bool) -> Loaded:
-        old = self.session.install(engine, source, replace)
-        return Loaded(repr(engine), source, repr(old) if old is not None else None)
-
     def _dendrite_status(self, rest: str) -> StatusView:
         if rest.strip():
             raise UsageError(f"%dendrite status takes no arguments, got {rest.strip()!r}.")
@@ -179,13 +199,28 @@ class SessionMagics(SessionBoundMagics):
         serving = ServerLine(server.url, server.waiting, server.responses_kept) if server is not None else None
         return StatusView(repr(engine), self.session.source, branches, used, engine.num_blocks,
                           engine.kv_bytes / 2**20, totals.reused_tokens, totals.prefilled_tokens,
-                          engine.prefix_cache, engine.num_cached_blocks, serving)
+                          engine.prefix_cache, engine.num_cached_blocks, serving, ranks_line(engine))
+
+
+def ranks_line(engine: Engine) -> str | None:
+    """Where a tensor-parallel engine's processes run (what %dendrite status and the load result show); None at
+    tensor_parallel 1."""
+    if engine.tensor_parallel == 1:
+        return None
+    workers = ", ".join(f"rank {worker.rank} on {worker.device} (pid {worker.pid})" for worker in engine.tensor_workers)
+    return f"tensor parallel: {engine.tensor_parallel} ranks: rank 0 on {engine.device} (this kernel), {workers}"
+
+
+# load's, demo's and restore's: the engine checks the degree, and names those the model takes.
+_tp_argument = argument("--tp", type=int, default=1, metavar="N",
+                        help="split the model over N processes, one per GPU (default 1: this one alone)")
 
 
 @magic_arguments()
 @argument("path", help="an HF checkpoint folder or a .gguf file")
 @argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
 @engine_option_arguments("device", "kv_dtype", "attention", "block_size", "num_blocks")
+@_tp_argument
 @argument("--replace", action="store_true", help="close the loaded engine first")
 def _load_arguments(line: str) -> None:
     """%dendrite load"""
@@ -208,6 +243,7 @@ def _autosave_arguments(line: str) -> None:
 @argument("path", help="a file written by %%dendrite save or Engine.save")
 @argument("--device", default=None, help="cpu or cuda (default: the device it was saved from)")
 @argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: the saved engine's)")
+@_tp_argument
 @argument("--replace", action="store_true", help="close the loaded engine first")
 def _restore_arguments(line: str) -> None:
     """%dendrite restore"""
@@ -225,6 +261,7 @@ def _serve_arguments(line: str) -> None:
 @magic_arguments()
 @argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 @argument("--num-blocks", type=int, default=1024, help="KV pool size in blocks (default 1024)")
+@_tp_argument
 @argument("--replace", action="store_true", help="close the loaded engine first (and load the demo model again)")
 def _demo_arguments(line: str) -> None:
     """%dendrite demo"""

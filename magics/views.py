@@ -29,6 +29,7 @@ class StatusView(PrettyByRepr):
     prefix_cache: bool         # whether pruned branches' KV stays as cache for later prompts
     cached_blocks: int         # KV blocks only that cache holds
     server: ServerLine | None  # %dendrite serve's server, while it runs
+    ranks: str | None = None   # where a tensor-parallel engine's processes run (ranks_line); None at --tp 1
 
     def __repr__(self) -> str:
         names = ", ".join(f"{n} ({t:,})" for n, t in self.branches[:20]) or "none"
@@ -38,7 +39,8 @@ class StatusView(PrettyByRepr):
         server = (f"{self.server.url}, {counted(self.server.waiting, 'request')} waiting, "
                   f"{counted(self.server.responses_kept, 'response')} kept" if self.server is not None
                   else "not running (%dendrite serve starts one)")
-        return (f"{self.engine}\nfrom {self.source}\nKV pool: {self.used_blocks:,}/{self.num_blocks:,} blocks used "
-                f"({self.kv_mib:,.1f} MiB)\nbranches (tokens): {names}{more}\n"
+        ranks = f"\n{self.ranks}" if self.ranks else ""
+        return (f"{self.engine}{ranks}\nfrom {self.source}\nKV pool: {self.used_blocks:,}/{self.num_blocks:,} blocks "
+                f"used ({self.kv_mib:,.1f} MiB)\nbranches (tokens): {names}{more}\n"
                 f"prompt tokens: {self.reused_tokens:,} reused from the tree, {self.prefilled_tokens:,} prefilled\n"
                 f"prefix cache: {cache}\nserver: {server}")

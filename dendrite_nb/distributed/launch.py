@@ -48,7 +48,7 @@ def start(spec: ModelSpec, world: int, device: torch.device) -> tuple[CausalLM, 
     """(rank 0's shard on its device, the tokenizer, where the weights came from, the running workers)."""
     group = TensorGroup(world, device, spec)
     try:
-        model, tokenizer, origin, checksum = spec.build_shard(0, world, group.rank_device(0))
+        model, tokenizer, origin, checksum, model.whole_fingerprint = spec.build_shard(0, world, group.rank_device(0))
         group.check_weights(checksum)
         connect(model, 0, world, group.all_reduce)
     except BaseException:

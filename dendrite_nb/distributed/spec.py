@@ -46,19 +46,21 @@ class ModelSpec(NamedTuple):
         return load_model(path, read_config(path)[0], cpu, self.dtype), None, path
 
     def build_shard(self, rank: int, world: int, device: torch.device,
-                    tokenizer: bool = True) -> tuple[CausalLM, Any, Path | None, list[float]]:
+                    tokenizer: bool = True) -> tuple[CausalLM, Any, Path | None, list[float], str]:
         """(rank's shard of the model on `device`, the tokenizer or None, where it came from, the whole model's
-        checksum). Random weights are drawn a parameter at a time and cut at once (random_shard.py), so no rank
-        holds the whole model; a checkpoint is still loaded whole on the CPU first, then cut."""
+        checksum and fingerprint). Random weights are drawn a parameter at a time and cut at once
+        (random_shard.py), so no rank holds the whole model; a checkpoint is still loaded whole on the CPU first,
+        then cut."""
+        from ..persist import model_fingerprint
         from .random_shard import random_shard
         from .shard import shard_weights, weights_checksum
 
         if self.checkpoint is None:
-            model, checksum = random_shard(self.config(), device, self.dtype, self.weight_seed, rank, world)
-            return model, None, None, checksum
+            model, checksum, whole = random_shard(self.config(), device, self.dtype, self.weight_seed, rank, world)
+            return model, None, None, checksum, whole
         model, tokens, origin = self._load_whole(tokenizer)
-        checksum = weights_checksum(model)
+        checksum, whole = weights_checksum(model), model_fingerprint(model)
         shard_weights(model, rank, world)
         model = model.to(device)
         model.materialize(device)
-        return model, tokens, origin, checksum
+        return model, tokens, origin, checksum, whole

@@ -112,7 +112,7 @@ def serve(rank: int, world: int, host: str, port: int, spec: ModelSpec, device_n
             torch.cuda.set_device(device)
         store.set(f"joined/{rank}", b"1")
         channels = Channels(store, rank, world, device)
-        model, _, _, checksum = spec.build_shard(rank, world, device, tokenizer=False)
+        model, _, _, checksum, _ = spec.build_shard(rank, world, device, tokenizer=False)
         store.set(f"checksum/{rank}", pickle.dumps(checksum))
         connect(model, rank, world, channels.all_reduce)
         with torch.inference_mode():
@@ -125,9 +125,9 @@ def serve(rank: int, world: int, host: str, port: int, spec: ModelSpec, device_n
         raise SystemExit(1) from None
     # Told to close: nothing is left to save. The exit closes the groups' connections; shutting NCCL's down here
     # would wait on rank 0's (which is waiting for this process to end), and the interpreter's own teardown
-    # (torch's) would keep rank 0's close() waiting for a second or more. Multiprocessing's exit handlers still run, as for any process it
-    # started: they unlink the named semaphores made here (tqdm's lock, while loading), which would otherwise stay
-    # in /dev/shm until the kernel exits.
+    # (torch's) would keep rank 0's close() waiting for a second or more. Multiprocessing's exit handlers still
+    # run, as for any process it started: they unlink the named semaphores made here (tqdm's lock, while loading),
+    # which would otherwise stay in /dev/shm until the kernel exits.
     multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,6 +1,6 @@
 """The engine: one model, one KV pool and one branch tree for the life of a notebook kernel.
 
-(Over 700 lines: 51 public calls and properties, each with its contract in its docstring; the work itself is in the
+(Over 700 lines: 54 public calls and properties, each with its contract in its docstring; the work itself is in the
 parts.)
 
 This file holds the public calls only: each checks its input (inputs.py), then hands the work to the part that
@@ -16,7 +16,7 @@ import dataclasses
 import math
 import numbers
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ from ..distributed.pool import ShardedKVPool
 from ..distributed.shard import check_degree, local_heads
 from ..distributed.spec import ModelSpec
 from ..engine_calls import EngineCalls, atomic_calls, engine_call
-from ..errors import GenerationInterrupted, TensorParallelError
+from ..errors import GenerationInterrupted
 from ..events import Event, Listener, Subscription, TreeChanged
 from ..forward import ForwardRunner
 from ..kv import BranchTree, KVPool
@@ -52,6 +52,13 @@ from .inputs import BranchRef, Inputs, TokensLike
 from .prefill import Prefill, PrefillReport, reports_prefill, run_chunk
 from .preemption import Preemption
 from .rewind import check_rewind, rewind
+
+
+class TensorWorker(NamedTuple):
+    """One worker process of a tensor-parallel engine (Engine.tensor_workers)."""
+    rank: int              # 1..tensor_parallel-1 (rank 0 is the engine's own process)
+    device: torch.device   # where its shard of the weights and of the KV heads lives
+    pid: int               # its process id on this machine
 
 
 class Engine:
@@ -136,7 +143,7 @@ class Engine:
         tensor_parallel: the number of processes (one per GPU, cuda:i to cuda:i+N-1 from device cuda:i; on the
         CPU, gloo processes) the model is split over by heads and MLP features (dendrite_nb/distributed/). Rank 0
         is this process and keeps the tree, scheduling and sampling; the others are spawned workers, ended by
-        close(). At tensor_parallel > 1, weights, cuda_graphs=True and save() are not supported yet (clear errors).
+        close(). At tensor_parallel > 1, weights= and cuda_graphs=True are not supported yet (clear errors).
         """
         settings = cls._settings_before_loading(device, options, weights)
         if check_degree(tensor_parallel) > 1:
@@ -153,7 +160,7 @@ class Engine:
                     weight_seed: int = 0, weights: str | None = None, tensor_parallel: int = 1,
                     **options: Any) -> Engine:
         """Random weights for an HF config dict, built in memory; token ids only (no tokenizer). weights and
-        tensor_parallel: as from_pretrained's (each rank draws the same whole model from weight_seed)."""
+        tensor_parallel: as from_pretrained's (each rank draws its share of the random model from weight_seed)."""
         settings = cls._settings_before_loading(device, options, weights)
         if check_degree(tensor_parallel) > 1:
             spec = ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype))
@@ -181,6 +188,30 @@ class Engine:
     def tensor_parallel(self) -> int:
         """The number of processes the model is split over (1: this one alone)."""
         return 1 if self._tensor_group is None else self._tensor_group.world
+
+    @property
+    def tensor_workers(self) -> tuple[TensorWorker, ...]:
+        """The worker processes of a tensor-parallel engine, ranks 1..N-1 (rank 0 is this process, on
+        self.device); () at tensor_parallel=1. They run until close()."""
+        group = self._tensor_group
+        if group is None:
+            return ()
+        return tuple(TensorWorker(rank, group.rank_device(rank), pid) for rank, pid in enumerate(group.pids, start=1))
+
+    @classmethod
+    def check_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                         weights: str | None = None, tensor_parallel: int = 1, **options: Any) -> None:
+        """Raise what from_pretrained(the same arguments) would raise before loading a weight: a bad option,
+        device, dtype or weights format, a path that holds no checkpoint (its config is read), and at
+        tensor_parallel > 1 a degree the model cannot be split by. Loads and starts nothing: a caller checks
+        before giving something up for the load (the notebook closes its tensor-parallel engine first, whose
+        workers hold the GPUs the new one needs). The weight files and the memory only the load can check."""
+        settings = cls._settings_before_loading(device, options, weights)
+        spec = ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype))
+        if check_degree(tensor_parallel) > 1:
+            launch.check_request(spec, tensor_parallel, settings, weights)
+        else:
+            spec.config()
 
     @staticmethod
     def _settings_before_loading(device: Any, options: dict[str, Any], weights: str | None) -> EngineConfig:
@@ -726,9 +757,6 @@ class Engine:
         state, constraint, and the KV blocks in use (safetensors + a checksummed JSON manifest)."""
         from ..persist import save
 
-        if self._tensor_group is not None:
-            raise TensorParallelError(f"save() {launch.UNSUPPORTED}: the manifest records one process's weights. "
-                                      f"Save from an engine loaded at tensor_parallel=1.")
         return save(self, path)
 
     @classmethod
@@ -736,7 +764,9 @@ class Engine:
         """A new engine with the session saved at `path`: the same model (rebuilt from its checkpoint
         folder or random-weight config and checked by fingerprint), tree, branches and KV; decoding goes on
         exactly as if nothing had stopped. Overrides: device (default: the one it was saved from),
-        num_blocks, attention, cuda_graphs, debug, checkpoint (where the weights now live). A corrupted or mismatched file raises SaveFileError."""
+        num_blocks, attention, cuda_graphs, debug, checkpoint (where the weights now live), tensor_parallel (the
+        number of processes to split the model over: 1 unless given, whatever the saved engine's was). A corrupted
+        or mismatched file raises SaveFileError."""
         from ..persist import restore
 
         return restore(cls, path, **overrides)

@@ -204,6 +204,7 @@ class CausalLM(nn.Module):
         self.fused_kernels = False  # set by use_fused_kernels()
         self.weights_format: str | None = None  # set by quantize_model(): "int8", "int4", "fp8"; None = dtype
         self.tensor_parallel = (0, 1)  # (rank, world): this rank's shard of a model split by distributed/shard.py
+        self.whole_fingerprint: str | None = None  # a shard's: its whole model's persist.model_fingerprint
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

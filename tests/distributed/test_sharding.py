@@ -125,6 +125,7 @@ def test_a_shard_drawn_alone_equals_the_whole_models_shard(shape):
     """random_shard (what a rank of Engine.from_random builds, never holding the whole model) gives each rank the
     very weights that cutting loader.random_model's whole model gives it, and the whole model's checksum."""
     from dendrite_nb.distributed.random_shard import random_shard
+    from dendrite_nb.persist import model_fingerprint
     from dendrite_nb.distributed.shard import shard_weights
 
     config = ModelConfig.from_hf(TINY_SHAPES[shape].hf_config(vocab_size=96))
@@ -133,8 +134,8 @@ def test_a_shard_drawn_alone_equals_the_whole_models_shard(shape):
     for rank in range(WORLD):
         cut = copy.deepcopy(whole)
         shard_weights(cut, rank, WORLD)
-        drawn, checksum = random_shard(config, cpu, torch.float32, 5, rank, WORLD)
-        assert checksum == weights_checksum(whole)
+        drawn, checksum, whole_fingerprint = random_shard(config, cpu, torch.float32, 5, rank, WORLD)
+        assert checksum == weights_checksum(whole) and whole_fingerprint == model_fingerprint(whole)
         want, got = dict(cut.named_parameters()), dict(drawn.named_parameters())
         assert want.keys() == got.keys()
         for name in want:

@@ -12,6 +12,7 @@ import torch
 from dendrite_nb import Engine, GenerationInterrupted, SamplingParams
 from dendrite_nb.errors import TensorParallelError
 from dendrite_nb.testing import TINY_SHAPES
+from tests.distributed.conftest import engine_pair
 from tests.support.engines import engine_state
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -24,20 +25,7 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28,
 @pytest.fixture(scope="module")
 def pair():
     """(one process, two processes): engines of the same random model."""
-    one = Engine.from_random(CONFIG, num_blocks=96, block_size=16)
-    two = Engine.from_random(CONFIG, num_blocks=96, block_size=16, tensor_parallel=2)
-    yield one, two
-    two.close()
-    one.close()
-
-
-@pytest.fixture
-def engines(pair):
-    """The pair, with every branch a test made pruned afterwards."""
-    yield pair
-    for engine in pair:
-        if engine.branches:
-            engine.prune(*engine.branches)
+    yield from engine_pair(CONFIG)
 
 
 def both(engines, call):
@@ -201,10 +189,3 @@ def test_a_request_that_cannot_run_starts_nothing(request_, error, message):
         Engine.from_random(CONFIG, num_blocks=8, **request_)
     assert multiprocessing.active_children() == before
 
-
-def test_save_says_it_is_not_supported_yet(engines, tmp_path):
-    _, two = engines
-    two.new_branch("s", PROMPT)
-    with pytest.raises(TensorParallelError, match=r"save\(\) is not supported at tensor_parallel > 1 yet"):
-        two.save(tmp_path / "session.dendrite")
-    assert not (tmp_path / "session.dendrite").exists()

@@ -12,6 +12,7 @@ import torch
 from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.errors import TensorParallelError
 from dendrite_nb.testing import TINY_SHAPES
+from tests.distributed.conftest import engine_pair
 from tests.support.engines import engine_state
 
 pytestmark = [pytest.mark.gpu,
@@ -25,19 +26,8 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28,
 
 @pytest.fixture(scope="module")
 def pair():
-    one = Engine.from_random(CONFIG, device="cuda", num_blocks=96, block_size=16)
-    two = Engine.from_random(CONFIG, device="cuda", num_blocks=96, block_size=16, tensor_parallel=2)
-    yield one, two
-    two.close()
-    one.close()
-
-
-@pytest.fixture
-def engines(pair):
-    yield pair
-    for engine in pair:
-        if engine.branches:
-            engine.prune(*engine.branches)
+    """(one process, two processes): engines of the same random model."""
+    yield from engine_pair(CONFIG, device="cuda")
 
 
 def test_greedy_tokens_and_logits_match_one_gpu(engines):
