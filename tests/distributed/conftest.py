@@ -2,7 +2,7 @@
 over two, cleaned between tests."""
 import pytest
 
-from dendrite_nb import Engine
+from dendrite_nb import Engine, SamplingParams
 
 
 def engine_pair(config: dict, **options):
@@ -21,3 +21,16 @@ def engines(pair):
     for engine in pair:
         if engine.branches:
             engine.prune(*engine.branches)
+
+
+def fork_and_linear_tokens(engine: Engine, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """(13 greedy tokens, then a fork's 35 while its parent moves on 5 of its own; 48 greedy tokens of a linear
+    run): equal where a fork continues as the linear run does."""
+    greedy = SamplingParams(temperature=0.0)
+    engine.new_branch("linear", prompt)
+    linear = engine.generate(["linear"], 48, greedy)[0]
+    engine.new_branch("trunk", prompt)
+    head = engine.generate(["trunk"], 13, greedy)[0]   # 32 tokens: the fork point ends a block
+    (kid,) = engine.fork("trunk", names=["kid"])
+    engine.generate(["trunk"], 5, greedy)   # the parent moves on, on its own blocks
+    return head + engine.generate([kid], 35, greedy)[0], linear

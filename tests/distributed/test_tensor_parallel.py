@@ -12,7 +12,7 @@ import torch
 from dendrite_nb import Engine, GenerationInterrupted, SamplingParams
 from dendrite_nb.errors import TensorParallelError
 from dendrite_nb.testing import TINY_SHAPES
-from tests.distributed.conftest import engine_pair
+from tests.distributed.conftest import engine_pair, fork_and_linear_tokens
 from tests.support.engines import engine_state
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -49,15 +49,8 @@ def test_greedy_tokens_and_logits_match_one_process(engines):
 
 
 def test_a_fork_continued_equals_the_linear_run(engines):
-    _, two = engines
-    two.new_branch("linear", PROMPT)
-    linear = two.generate(["linear"], 48, GREEDY)[0]
-    two.new_branch("trunk", PROMPT)
-    head = two.generate(["trunk"], 13, GREEDY)[0]   # 32 tokens: the fork point ends a block
-    (kid,) = two.fork("trunk", names=["kid"])
-    two.generate(["trunk"], 5, GREEDY)   # the parent moves on, on its own blocks
-    tail = two.generate([kid], 35, GREEDY)[0]
-    assert head + tail == linear
+    forked, linear = fork_and_linear_tokens(engines[1], PROMPT)
+    assert forked == linear
 
 
 def test_branches_decoding_in_one_batch_match_one_process(engines):
