@@ -16,6 +16,12 @@ short instruction reach their first token without an eager forward. A decode sha
 captured the first time it comes up, since decoding repeats it step after step; a prefill shape only the
 second time (capturing cost about three eager forwards on an H200, 67 against 23 ms for 10 instructions of
 a 0.6B model, and a one-off prompt would never earn that back).
+
+On a tensor-parallel engine (distributed/) every rank keeps the same graphs, with the step's collectives inside:
+the token ids' broadcast from rank 0 first, then the all-reduces of the layers. Rank 0 alone decides, as above;
+each launch first tells the workers which graph to capture or replay (its key), the packed positions and plan to
+put in its buffer, and which graphs to drop, so that every rank captures, replays and evicts the same graphs in
+the same order: the collectives of the replays pair up rank by rank.
 """
 from __future__ import annotations
 
@@ -23,8 +29,9 @@ import contextlib
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .attention.base import BatchLayout, CapturableBackend
@@ -62,6 +69,7 @@ class _Staged:
     positions: list[int]  # one per token
     captured: _Captured | None = None  # None: no graph of this bucket and shape yet
     capture: bool = True  # with no graph yet: capture one at launch (False: the step runs eagerly)
+    packed: np.ndarray | None = None  # int32 [bucket + plan]: what was uploaded to captured's buffer
 
     @property
     def replays(self) -> bool:
@@ -71,9 +79,15 @@ class _Staged:
 
 class ForwardGraphs:
     def __init__(self, model: torch.nn.Module, backend: CapturableBackend, kv_layers: list, device: torch.device,
-                 block_size: int, sink_slot: int):
+                 block_size: int, sink_slot: int, tensor_group: Any = None,
+                 broadcast: Callable[[torch.Tensor], None] | None = None):
+        """tensor_group: rank 0's TensorGroup of a tensor-parallel engine (whose workers follow each launch);
+        broadcast: on every rank of one, what sends rank 0's token ids to the others (inside each graph)."""
         self.model, self.backend, self.kv_layers = model, backend, kv_layers
         self.device, self.block_size, self.sink_slot = device, block_size, sink_slot
+        self.tensor_group, self.broadcast = tensor_group, broadcast
+        if tensor_group is not None:
+            tensor_group.before_shutdown.append(self.release)
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool: graphs replay one at a time
         self._seen_prefills: OrderedDict[tuple, None] = OrderedDict()  # (bucket, padded shape) met once
@@ -99,7 +113,8 @@ class ForwardGraphs:
                                None)
         if staged.captured is not None:
             self._graphs.move_to_end((bucket, staged.captured.shape))
-            self._upload_plan(staged.captured, host, staged.positions)
+            staged.packed = self._packed(bucket, staged.captured.shape, host, positions)
+            self._upload(staged.captured, staged.packed)
         elif not layout.is_decode:
             key = (bucket, need.padded(bucket))
             staged.capture = key in self._seen_prefills
@@ -115,27 +130,84 @@ class ForwardGraphs:
         when a bucket and plan shape have none yet and staged.capture (capturing runs the step once for real)."""
         if not staged.replays:
             raise RuntimeError("this step was staged to run eagerly (capture False); ForwardRunner runs it.")
-        captured = staged.captured
-        if captured is None:
-            captured = self._capture(staged.bucket, staged.host.shape().padded(staged.bucket), staged.host,
-                                     input_ids, staged.positions)
+        bucket, captured, group = staged.bucket, staged.captured, self.tensor_group
         tokens = len(staged.positions)
-        captured.buffer[:tokens].copy_(input_ids)  # padding tokens keep older ids: any valid id will do
-        captured.graph.replay()
+        in_step = contextlib.nullcontext() if group is None else group.lockstep("a CUDA graph step")
+        if captured is None:
+            shape = staged.host.shape().padded(bucket)
+            packed = self._packed(bucket, shape, staged.host, staged.positions)
+            dropped = self._make_room()
+            if group is not None:
+                group.command("graph", (bucket, shape), packed, True, dropped)
+            with in_step:
+                captured = self._capture(bucket, shape, packed, input_ids)
+                captured.graph.replay()   # the graph's output exists only once it has run
+        else:
+            captured.buffer[:tokens].copy_(input_ids)  # padding tokens keep older ids: any valid id will do
+            if group is not None:
+                group.command("graph", (bucket, captured.shape), staged.packed, False, [])
+            with in_step:
+                captured.graph.replay()
         return captured.hidden[:tokens].clone()
 
-    def _upload_plan(self, captured: _Captured, host: Any, positions: list[int]) -> None:
+    def follow(self, key: tuple, packed: np.ndarray, capture: bool, dropped: list[tuple]) -> None:
+        """A tensor-parallel worker's side of rank 0's launch(): drop the graphs it dropped, then capture or
+        replay graph `key` with `packed` in its buffer (the token ids arrive by the graph's broadcast)."""
+        for old in dropped:
+            self._graphs.pop(old, None)
+        bucket, shape = key
+        if capture:
+            captured = self._capture(bucket, shape, packed, None)
+        else:
+            captured = self._graphs.get(key)
+            if captured is None:
+                raise RuntimeError(f"rank 0 replays a CUDA graph this worker does not hold ({bucket} tokens)")
+            self._graphs.move_to_end(key)
+            self._upload(captured, packed)
+        captured.graph.replay()
+
+    def release(self) -> None:
+        """Destroy every graph now. A tensor-parallel engine's NCCL communicator cannot be aborted while a graph
+        that captured its collectives exists (NCCL counts them and waits), so the group calls this first."""
+        for captured in self._graphs.values():
+            captured.graph.reset()
+        self._graphs.clear()
+
+    def _make_room(self) -> list[tuple]:
+        """Drop the least recently used graphs until one more fits; their keys (a tensor-parallel engine's
+        workers drop the same ones)."""
+        dropped = []
+        while len(self._graphs) >= MAX_GRAPHS:
+            dropped.append(self._graphs.popitem(last=False)[0])
+        return dropped
+
+    def _packed(self, bucket: int, shape: Any, host: Any, positions: list[int]) -> np.ndarray:
+        """int32 [bucket + shape.numel]: the step's positions, padded to the bucket, and its packed plan."""
+        packed = np.zeros(bucket + shape.numel, dtype=np.int32)
+        packed[: len(positions)] = positions
+        packed[bucket:] = host.pack(shape, self.sink_slot).numpy()
+        return packed
+
+    def _upload(self, captured: _Captured, packed: np.ndarray) -> None:
         """Positions and plan into the graph's buffer, through its pinned staging twin (the ids come at launch)."""
         bucket = captured.bucket
-        captured.copied.synchronize()  # the staging buffer's last copy has run: it may be rewritten
-        staging = captured.staging.numpy()
-        staging[bucket: bucket + len(positions)] = positions
-        staging[bucket + len(positions): 2 * bucket] = 0
-        staging[2 * bucket:] = host.pack(captured.shape, self.sink_slot).numpy()
+        # The staging buffer's last copy has run: it may be rewritten.
+        if self.tensor_group is None:
+            captured.copied.synchronize()
+        else:   # behind the replays queued before it: a worker dead or hung in them is an error, not a hang
+            self.tensor_group.wait_for(captured.copied)
+        captured.staging.numpy()[bucket:] = packed
         captured.buffer[bucket:].copy_(captured.staging[bucket:], non_blocking=True)
         captured.copied.record()
 
-    def _capture(self, bucket: int, shape: Any, host: Any, input_ids: list[int], positions: list[int]) -> _Captured:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: Any) -> torch.Tensor:
+        if self.broadcast is not None:   # a tensor-parallel rank: rank 0's ids into every rank's buffer
+            self.broadcast(ids)
+        return self.model(ids, positions, self.kv_layers, self.backend, plan)
+
+    def _capture(self, bucket: int, shape: Any, packed: np.ndarray, input_ids: torch.Tensor | None) -> _Captured:
+        """Capture the graph of (bucket, shape), running the step once for real first. input_ids: [T] on the
+        device; None on a tensor-parallel worker, whose ids come by the broadcast."""
         from .kernels.products import graph_products  # Triton's products: imported where a GPU captures
 
         buffer = torch.zeros(2 * bucket + shape.numel, dtype=torch.int32, device=self.device)
@@ -146,22 +218,24 @@ class ForwardGraphs:
         # The warm-up runs this very step for real (its KV writes are the ones the replay repeats): it
         # compiles the kernels and allocates the plan's scratch outside the graph's pool. Both run the
         # products that graphs take (graph_products: few rows to skinny; more through cuBLASLt).
-        self._upload_plan(captured, host, positions)
-        ids[: len(input_ids)].copy_(input_ids)
+        self._upload(captured, packed)
+        if input_ids is not None:
+            ids[: len(input_ids)].copy_(input_ids)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
+        # A tensor-parallel rank's NCCL watchdog thread queries the events of earlier collectives while this
+        # thread captures: the global mode would take that for an illegal call inside the capture.
+        mode = "global" if self.broadcast is None else "thread_local"
         with blas_library(GRAPH_BLAS_LIBRARY), graph_products():
             with torch.cuda.stream(side):
-                self.model(ids, pos, self.kv_layers, self.backend, plan)
+                self._forward(ids, pos, plan)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            with torch.cuda.graph(captured.graph, pool=self._pool):
-                captured.hidden = self.model(ids, pos, self.kv_layers, self.backend, plan)
+            with torch.cuda.graph(captured.graph, pool=self._pool, capture_error_mode=mode):
+                captured.hidden = self._forward(ids, pos, plan)
         # The graph holds raw pointers into the plan's scratch: the plan must live as long as the graph.
         captured.plan = plan
         self._graphs[(bucket, shape)] = captured
         self.captures += 1
-        while len(self._graphs) > MAX_GRAPHS:
-            self._graphs.popitem(last=False)
         return captured
 
 

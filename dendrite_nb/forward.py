@@ -126,7 +126,10 @@ class ForwardRunner:
         copied = self._copied
 
         def wait() -> list[list]:
-            copied.synchronize()
+            if self.tensor_group is None:
+                copied.synchronize()
+            else:   # a worker dead or hung in the step is an error, not a hang
+                self.tensor_group.wait_for(copied)
             return [host.tolist() for host in hosts]
         return wait
 

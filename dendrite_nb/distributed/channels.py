@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import threading
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 HOST = "127.0.0.1"  # one host: every rank is a process of this machine, so they talk over the loopback
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=20)
+ABORT_WAIT_S = 5.0   # an NCCL abort's wait before it is left to finish in the background
 # Within gloo's millisecond timer; a worker idle this long exits, and the engine's next call says so.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 
@@ -109,10 +111,25 @@ class Channels:
         aborted rather than shut down: a shutdown flushes it with its peers, and hangs where one is gone (a worker
         killed, or already exited after close)."""
         for group in {id(g): g for g in (self.device, self.host, self.control)}.values():
+            if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):   # absent from CPU builds
+                _abort_nccl(group)
+                continue
             try:
-                if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):   # absent from CPU builds
-                    group.abort()
-                else:
-                    group.shutdown()
+                group.shutdown()
             except RuntimeError:   # a group a dead peer already broke: its connections are closed
                 pass
+
+
+def _abort_nccl(group: Any) -> None:
+    """Abort an NCCL communicator, waiting ABORT_WAIT_S at most. The abort stops the kernels stuck on a dead peer,
+    then waits for every CUDA graph that captured this communicator's collectives to be destroyed; one still
+    running (stuck) may keep it waiting, and a notebook must not hang on that: the abort then finishes in the
+    background, its thread a daemon."""
+    def abort() -> None:
+        try:
+            group.abort()
+        except RuntimeError:   # broken by a dead peer already
+            pass
+    thread = threading.Thread(target=abort, name="dendrite-nccl-abort", daemon=True)
+    thread.start()
+    thread.join(ABORT_WAIT_S)

@@ -68,6 +68,8 @@ class TensorGroup:
     def __init__(self, world: int, device: torch.device, spec: ModelSpec):
         self.world, self.rank, self.device = world, 0, device
         self.broken: str | None = None  # why the workers cannot run any more, once they cannot
+        # Called before the groups close (the engine's CUDA graphs, which hold the NCCL communicator).
+        self.before_shutdown: list[Callable[[], None]] = []
         self._store = dist.TCPStore(HOST, 0, world, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
         self.port = self._store.port
         context = multiprocessing.get_context("spawn")
@@ -144,7 +146,7 @@ class TensorGroup:
         self.command("forward", layout, token_ids.tolist() if on_host else None)
         with self.lockstep("a forward"):
             if not on_host:
-                self._collective("a broadcast", self.channels.broadcast, token_ids)
+                self.broadcast(token_ids)
             return model(token_ids, *inputs)
 
     @contextlib.contextmanager
@@ -165,11 +167,33 @@ class TensorGroup:
         """The model's hook (distributed/shard.py): sum the ranks' partial outputs in place."""
         self._collective("an all-reduce", self.channels.all_reduce, tensor)
 
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` (on its device) into the workers' tensors of its shape: a forward's token ids."""
+        self._collective("a broadcast", self.channels.broadcast, tensor)
+
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return self._collective("a gather", self.channels.gather, tensor)
 
     def scatter(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         self._collective("a scatter", self.channels.scatter, parts, out)
+
+    def wait_for(self, event: torch.cuda.Event) -> None:
+        """event.synchronize(), except that a worker dying, or the step not finishing within COLLECTIVE_TIMEOUT, is
+        a TensorParallelError instead of a hang: the collectives inside a replayed CUDA graph have no timeout of
+        their own (NCCL's watchdog follows only those launched eagerly), and would wait for a dead peer forever.
+        The failure aborts the NCCL communicator, which ends the collectives the GPU is stuck in."""
+        if event.query():
+            return
+        started = time.monotonic()
+        checked = started
+        while not event.query():   # a tight loop, as a synchronize spins: the host has nothing else to do
+            now = time.monotonic()
+            if now - checked > POLL_S:
+                self._check_alive()
+                checked = now
+            if now - started > COLLECTIVE_TIMEOUT.total_seconds():
+                raise self._fail(f"a step's collectives did not finish within "
+                                 f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s (a worker hangs)")
 
     def _collective(self, what: str, call, *args):
         if self.broken is not None:
@@ -209,6 +233,9 @@ class TensorGroup:
 
     def _shut(self) -> None:
         self._finalizer.detach()
+        for release in self.before_shutdown:
+            release()
+        self.before_shutdown.clear()
         _end(self.processes)
         if self.channels is not None:
             self.channels.shutdown()

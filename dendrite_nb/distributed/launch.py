@@ -14,6 +14,7 @@ import torch
 
 from ..attention import make_backend
 from ..config import KV_DTYPES, EngineConfig, parse_dtype
+from ..engine.build import graphs_unavailable_reason
 from ..errors import TensorParallelError
 from ..model.transformer import CausalLM
 from .group import TensorGroup
@@ -30,9 +31,6 @@ def check_request(spec: ModelSpec, world: int, settings: EngineConfig, weights: 
     if weights is not None:
         raise TensorParallelError(f"weights={weights!r} {UNSUPPORTED}; load with weights=None (the file's "
                                   f"precision), or at tensor_parallel=1.")
-    if settings.cuda_graphs:
-        raise TensorParallelError(f"cuda_graphs=True {UNSUPPORTED} (tensor-parallel steps run eagerly); leave "
-                                  f"cuda_graphs unset.")
     device = settings.device
     if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
         raise TensorParallelError(f"tensor_parallel={world} from {device} needs GPUs cuda:{device.index or 0} to "
@@ -41,7 +39,10 @@ def check_request(spec: ModelSpec, world: int, settings: EngineConfig, weights: 
     config = spec.config()
     check_degree(world, config)
     kv_dtype = spec.dtype if settings.kv_dtype is None else parse_dtype(settings.kv_dtype, KV_DTYPES, "kv_dtype")
-    make_backend(settings.attention, device, spec.dtype, config.head_dim, kv_dtype)   # the engine builds it later
+    backend = make_backend(settings.attention, device, spec.dtype, config.head_dim, kv_dtype)   # the engine's, later
+    reason = graphs_unavailable_reason(device, backend)
+    if settings.cuda_graphs and reason is not None:   # what the engine would raise once the workers had started
+        raise ValueError(f"cuda_graphs=True, but {reason}.")
 
 
 def start(spec: ModelSpec, world: int, device: torch.device) -> tuple[CausalLM, Any, Path | None, TensorGroup]:

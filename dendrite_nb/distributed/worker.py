@@ -3,8 +3,10 @@
 It builds its shard of the model rank 0 splits (from the ModelSpec), reports the whole model's checksum, and then
 does what rank 0 tells it, one command at a time, until told to close:
 
-    setup    build the attention backend and this rank's KV pool: its KV heads, rank 0's block ids
+    setup    build the attention backend and this rank's KV pool (its KV heads, rank 0's block ids), and on CUDA
+             the fused kernels and CUDA graphs where rank 0 runs them
     forward  plan the attention from rank 0's layout and run the shard's forward (its all-reduces meet rank 0's)
+    graph    capture or replay the CUDA graph rank 0 names, with rank 0's packed plan (cuda_graphs.py)
     copy     copy KV blocks (copy-on-write), as rank 0 did in its own pool
     export   send the given blocks' KV to rank 0 (preemption to host memory)
     import   take this rank's heads of the given blocks' KV from rank 0 (resuming a preempted branch)
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention import make_backend
+from ..cuda_graphs import ForwardGraphs
 from ..kv import KVPool
 from .channels import COLLECTIVE_TIMEOUT, Channels
 from .shard import connect, local_heads
@@ -35,9 +38,10 @@ from .spec import ModelSpec
 class Worker:
     def __init__(self, channels: Channels, model: torch.nn.Module, device: torch.device):
         self.channels, self.model, self.device = channels, model, device
-        self.backend = self.pool = self.kv_layers = None
+        self.backend = self.pool = self.kv_layers = self.graphs = None
 
-    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, attention: str, canaries: bool) -> None:
+    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, attention: str, canaries: bool,
+              fused_kernels: bool = False, cuda_graphs: bool = False) -> None:
         config = self.model.config
         heads, kv_heads = local_heads(config, self.model.tensor_parallel[1])
         dtype = next(self.model.parameters()).dtype
@@ -48,6 +52,11 @@ class Worker:
                            num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype, device=self.device,
                            canaries=canaries)
         self.kv_layers = self.pool.layers()
+        if fused_kernels:   # as rank 0's model: the same kernels, and graphs capture the same collectives
+            self.model.use_fused_kernels(True)
+        if cuda_graphs:
+            self.graphs = ForwardGraphs(self.model, self.backend, self.kv_layers, self.device, block_size,
+                                        self.pool.sink_slot, broadcast=self.channels.broadcast)
 
     def forward(self, layout, token_ids: list[int] | None) -> None:
         if token_ids is None:   # on CUDA the ids come over the device group, from rank 0's sampler
@@ -89,6 +98,8 @@ class Worker:
                 store.set(f"ready/{rank}", b"1")
             elif kind == "forward":
                 self.forward(*args)
+            elif kind == "graph":
+                self.graphs.follow(*args)
             elif kind == "copy":
                 self.copy(*args)
             elif kind == "export":

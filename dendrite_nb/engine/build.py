@@ -82,15 +82,21 @@ def fused_kernels_available(device: torch.device) -> bool:
     return unavailable_reason(device) is None
 
 
-def forward_graphs(wanted: bool | None, model: CausalLM, backend: AttentionBackend, pool: KVPool,
-                   kv_layers: list[Any], device: torch.device):
-    """The CUDA graphs that decode steps and short prefills replay (CUDA, with a backend whose plans can be
-    padded: triton), or None. wanted=None: wherever they can run; True where they cannot raises ValueError."""
-    reason = None
+def graphs_unavailable_reason(device: torch.device, backend: AttentionBackend) -> str | None:
+    """Why CUDA graphs cannot replay this engine's steps, or None when they can."""
     if device.type != "cuda":
-        reason = "they need a CUDA device"
-    elif not backend.capabilities.capturable_plans:
-        reason = f"the {backend.name!r} backend's plans cannot be captured; use attention='triton'"
+        return "they need a CUDA device"
+    if not backend.capabilities.capturable_plans:
+        return f"the {backend.name!r} backend's plans cannot be captured; use attention='triton'"
+    return None
+
+
+def forward_graphs(wanted: bool | None, model: CausalLM, backend: AttentionBackend, pool: KVPool,
+                   kv_layers: list[Any], device: torch.device, tensor_group: Any = None):
+    """The CUDA graphs that decode steps and short prefills replay (CUDA, with a backend whose plans can be
+    padded: triton), or None. wanted=None: wherever they can run; True where they cannot raises ValueError.
+    tensor_group: a tensor-parallel engine's workers, which capture and replay each graph with rank 0."""
+    reason = graphs_unavailable_reason(device, backend)
     if wanted is None:
         wanted = reason is None
     if not wanted:
@@ -99,4 +105,5 @@ def forward_graphs(wanted: bool | None, model: CausalLM, backend: AttentionBacke
         raise ValueError(f"cuda_graphs=True, but {reason}.")
     from ..cuda_graphs import ForwardGraphs
 
-    return ForwardGraphs(model, backend, kv_layers, device, pool.block_size, pool.sink_slot)
+    return ForwardGraphs(model, backend, kv_layers, device, pool.block_size, pool.sink_slot, tensor_group,
+                         None if tensor_group is None else tensor_group.broadcast)

@@ -92,15 +92,14 @@ class Engine:
                  "device": self.device, "canaries": settings.debug}
         self.pool = KVPool(**sizes) if tensor_group is None else ShardedKVPool(tensor_group, **sizes)
         kv_layers = self.pool.layers()
-        if tensor_group is None:   # tensor-parallel ranks run the reference forward, eagerly (distributed/)
-            if self.device.type == "cuda" and build.fused_kernels_available(self.device):
-                self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
-            self._graphs = build.forward_graphs(settings.cuda_graphs, model, self.backend, self.pool, kv_layers,
-                                                self.device)
-        else:
-            self._graphs = None
+        if self.device.type == "cuda" and build.fused_kernels_available(self.device):
+            self.model.use_fused_kernels(True)  # one GEMM for q/k/v and for gate/up, Triton norms/RoPE/SwiGLU
+        self._graphs = build.forward_graphs(settings.cuda_graphs, model, self.backend, self.pool, kv_layers,
+                                            self.device, tensor_group)
+        if tensor_group is not None:   # the workers build the same, for their shards (distributed/worker.py)
             tensor_group.setup(num_blocks=num_blocks, block_size=settings.block_size, kv_dtype=self.kv_dtype,
-                               attention=self.backend.name, canaries=settings.debug)
+                               attention=self.backend.name, canaries=settings.debug,
+                               fused_kernels=self.model.fused_kernels, cuda_graphs=self._graphs is not None)
         self._runner = ForwardRunner(model, self.backend, self.pool, kv_layers, self._graphs, self.device,
                                      tensor_group)
         self.branch_tree = tree = BranchTree(self.pool.allocator, settings.block_size, branch_type=Branch)
@@ -143,7 +142,8 @@ class Engine:
         tensor_parallel: the number of processes (one per GPU, cuda:i to cuda:i+N-1 from device cuda:i; on the
         CPU, gloo processes) the model is split over by heads and MLP features (dendrite_nb/distributed/). Rank 0
         is this process and keeps the tree, scheduling and sampling; the others are spawned workers, ended by
-        close(). At tensor_parallel > 1, weights= and cuda_graphs=True are not supported yet (clear errors).
+        close(). On CUDA every rank runs the fused kernels and replays the same CUDA graphs, each with the step's
+        collectives inside. At tensor_parallel > 1, weights= is not supported yet (a clear error).
         """
         settings = cls._settings_before_loading(device, options, weights)
         if check_degree(tensor_parallel) > 1:

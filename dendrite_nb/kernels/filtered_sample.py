@@ -272,7 +272,7 @@ class FilteredSampler:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's (seed, offset, top_k) as int64 [B, 3] and (1 / temperature, top_p, min_p, 0) as float32
         [B, 4], on the device in one copy through a pinned buffer rewritten only once its last copy ran (the
-        pattern of ForwardGraphs._upload_plan's staging buffer)."""
+        pattern of ForwardGraphs._upload's staging buffer)."""
         rows = len(seeds)
         words = 5 * rows  # 3 int64 and 4 float32 a row
         if self.device.type == "cuda":

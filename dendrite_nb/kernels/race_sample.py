@@ -101,7 +101,7 @@ class RaceSampler:
 
     def _upload_keys(self, seeds: list[int], offsets: list[int]) -> torch.Tensor:
         """(seed, offset) pairs, flat [2B], on the device, through a pinned buffer rewritten only once its last
-        copy ran (the pattern of ForwardGraphs._upload_plan's staging buffer)."""
+        copy ran (the pattern of ForwardGraphs._upload's staging buffer)."""
         rows = len(seeds)
         if self.device.type != "cuda":
             return torch.tensor(list(zip(seeds, offsets)), dtype=torch.int64, device=self.device)

@@ -129,8 +129,10 @@ class Attention(nn.Module):
             backend.append_kv(plan, kv, k, v)
             out = backend.attend(plan, q, kv)
         o_weight, o_scale = product_weight(self.o_proj)
-        return linear(out.reshape(tokens, heads * head_dim), o_weight, self.o_proj.bias,
-                      weight_scale=o_scale), residual
+        out = linear(out.reshape(tokens, heads * head_dim), o_weight, self.o_proj.bias, weight_scale=o_scale)
+        if self.all_reduce is not None:   # before the next norm adds it to the residual stream
+            self.all_reduce(out)
+        return out, residual
 
 
 class MLP(nn.Module):
@@ -163,7 +165,10 @@ class MLP(nn.Module):
                                            norm=(residual, norm.weight, norm.eps),
                                            weight_scale=self.gate_up_weight_scale)  # [T, intermediate]
         down_weight, down_scale = product_weight(self.down_proj)
-        return linear(hidden, down_weight, self.down_proj.bias, weight_scale=down_scale), residual
+        out = linear(hidden, down_weight, self.down_proj.bias, weight_scale=down_scale)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out, residual
 
 
 class DecoderLayer(nn.Module):

@@ -143,3 +143,77 @@ def test_a_shard_drawn_alone_equals_the_whole_models_shard(shape):
         assert (drawn.lm_head is None) == (cut.lm_head is None)
         if config.tie_word_embeddings:
             assert drawn.lm_head.weight is drawn.model.embed_tokens.weight
+
+
+def _fused_rank(rank: int, port: int, shape: str, attention: str, results) -> None:
+    """One rank of test_fused_shards_over_gloo_equal_the_whole_fused_model (a spawned process, or the test's own)."""
+    import torch.distributed as dist
+
+    from dendrite_nb.distributed.channels import COLLECTIVE_TIMEOUT, HOST, Channels
+    from dendrite_nb.distributed.shard import connect, shard_weights
+
+    store = dist.TCPStore(HOST, port, WORLD, rank == 0, COLLECTIVE_TIMEOUT)
+    channels = Channels(store, rank, WORLD, torch.device("cpu"))
+    try:
+        config = ModelConfig.from_hf(TINY_SHAPES[shape].hf_config(vocab_size=96))
+        model = random_model(config, torch.device("cpu"), torch.float32, seed=3)
+        shard_weights(model, rank, WORLD)
+        connect(model, rank, WORLD, channels.all_reduce)
+        model.use_fused_kernels(True)
+        hidden, kv = fused_forward(model, attention, local_heads(config, WORLD))
+        results.put((rank, hidden.numpy(), kv.numpy()))   # by value: torch's queue would pass a file descriptor
+    finally:
+        channels.shutdown()
+
+
+def fused_forward(model, attention: str, heads: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [T, hidden], the pool's KV) of the fused path's forward of two sequences from an empty pool."""
+    config, cpu = model.config, torch.device("cpu")
+    pool = KVPool(num_layers=config.num_layers, num_kv_heads=heads[1], head_dim=config.head_dim, num_blocks=8,
+                  block_size=BLOCK, dtype=torch.float32, device=cpu)
+    backend = make_backend(attention, cpu, torch.float32, config.head_dim, torch.float32)
+    if backend.capabilities.needs_head_layout:
+        backend.configure(*heads, torch.float32)
+    layout = BatchLayout(q_lens=[5, 3], kv_lens=[5, 3], block_tables=[[0, 1], [2]])
+    plan = backend.plan(layout, BLOCK, cpu)
+    ids = torch.tensor([5, 17, 33, 2, 90, 41, 7, 64])
+    hidden = model(ids, torch.tensor(layout.positions), pool.layers(), backend, plan)
+    return hidden, pool.kv.clone()
+
+
+@pytest.mark.parametrize("shape, attention", [("llama-biased", "torch"), ("qwen3-gqa-tied", "triton")])
+def test_fused_shards_over_gloo_equal_the_whole_fused_model(shape, attention):
+    """The fused Triton path a GPU rank runs (interpreted here), with its all-reduce after o_proj and down_proj, in
+    two processes over gloo: each rank's hidden states equal the whole fused model's, and its KV the whole model's
+    KV of its heads. (Threads cannot run it: the Triton interpreter's state is global.)"""
+    import multiprocessing
+    import socket
+
+    from dendrite_nb.kernels import INTERPRETED
+
+    if not INTERPRETED:
+        pytest.skip("the fused kernels run on the CPU only under TRITON_INTERPRET=1")
+    config = ModelConfig.from_hf(TINY_SHAPES[shape].hf_config(vocab_size=96))
+    whole = random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    whole.use_fused_kernels(True)
+    want_hidden, want_kv = fused_forward(whole, attention, (config.num_heads, config.num_kv_heads))
+    with socket.socket() as probe:   # a free port for the store (rank 0, in this process, opens it)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    worker = context.Process(target=_fused_rank, args=(1, port, shape, attention, results), daemon=True)
+    worker.start()
+    try:
+        _fused_rank(0, port, shape, attention, results)
+        got = {rank: (torch.from_numpy(hidden), torch.from_numpy(kv))
+               for rank, hidden, kv in (results.get(timeout=120) for _ in range(WORLD))}
+    finally:
+        worker.join(30)
+        if worker.is_alive():
+            worker.kill()
+    kv_heads = local_heads(config, WORLD)[1]
+    for rank, (hidden, kv) in got.items():
+        torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+        heads = slice(rank * kv_heads, (rank + 1) * kv_heads)
+        torch.testing.assert_close(kv, want_kv[..., heads, :], rtol=1e-5, atol=1e-5)

@@ -1,7 +1,8 @@
 """Tensor parallelism over NCCL on two GPUs (skipped where fewer are present): an engine split over cuda:0 and cuda:1
 against the same engine on cuda:0 alone, in float32 on a tiny checkpoint (greedy tokens over 64 steps, logits
-within 1e-4, a fork continued, a batch of sampled branches), and in bfloat16 at a real shape (logits within bf16's
-tolerance); close() ends the workers, and a killed worker is a clear error within 30 s."""
+within 1e-4, a fork continued, a batch of sampled branches, 32 forks decoding through CUDA graphs on both ranks
+against eager steps, graphs dropped in step), and in bfloat16 at a real shape (logits within bf16's tolerance);
+close() ends the workers, and a killed worker is a clear error within 30 s."""
 import os
 import signal
 import time
@@ -58,6 +59,51 @@ def test_sampled_forks_in_one_batch_match_one_gpu(engines):
     assert results[1] == results[0]
 
 
+def test_steps_replay_cuda_graphs_on_every_rank_with_the_eager_tokens(engines):
+    """The split engine's decode steps and short prefills replay CUDA graphs (with the all-reduces inside) and its
+    tokens equal those of the same split engine run eagerly and of one GPU: 32 forks of one prefix, each with an
+    instruction of its own, decoding in one batch (the tree's shared prefix read once a step)."""
+    one, two = engines
+    assert two._graphs is not None
+
+    def run(engine):
+        engine.new_branch("root", PROMPT * 4)
+        kids = engine.fork("root", n=32)
+        engine.append_many((kid, [5 + i % 50, 9]) for i, kid in enumerate(kids))
+        return engine.generate(kids, 12, GREEDY)
+    captures = two._graphs.captures
+    graphed = run(two)
+    assert two._graphs.captures > captures
+    eager = Engine.from_random(CONFIG, device="cuda", num_blocks=96, block_size=16, tensor_parallel=2,
+                               cuda_graphs=False)
+    try:
+        assert eager._graphs is None and eager.model.fused_kernels
+        assert run(eager) == graphed
+    finally:
+        eager.close()
+    assert run(one) == graphed
+
+
+def test_graphs_rank_0_drops_are_dropped_by_the_workers(engines, monkeypatch):
+    """With room for two graphs, batches of 1, 2, 4, 1 and 2 leaves capture, drop and capture again: the workers
+    drop what rank 0 drops (it tells them), so every replay pairs with the worker's graph of the same step."""
+    import dendrite_nb.cuda_graphs as cuda_graphs
+
+    one, two = engines
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 2)
+
+    def run(engine):
+        engine.new_branch("root", PROMPT)
+        out = []
+        for width in (1, 2, 4, 1, 2):
+            kids = engine.fork("root", n=width)
+            out += engine.generate(kids, 3, GREEDY)
+            engine.prune(*kids)
+        return out
+    assert run(two) == run(one)
+    assert len(two._graphs._graphs) <= 2
+
+
 def test_real_shape_logits_within_bfloat16_tolerance():
     """Qwen3-0.6B's shape in bfloat16 (random weights): TP=2's next-token logits against one GPU's, relative to
     their scale, as bf16 rounding of differently summed partial products allows."""
@@ -101,3 +147,28 @@ def test_close_ends_the_workers_and_a_killed_worker_is_a_clear_error():
         assert engine_state(second) == before
     finally:
         second.close()
+
+
+def test_a_hung_worker_is_a_clear_error_not_a_hang():
+    """A stopped worker (SIGSTOP: alive, but answering nothing) while steps replay CUDA graphs, whose collectives have
+    no timeout of their own: the next call ends in a TensorParallelError within COLLECTIVE_TIMEOUT and the workers'
+    end, the tree as it was. (On 2 x H100 the command that names the step's graph timed out first: the worker never
+    took it. A worker that hangs after taking it leaves rank 0 in ForwardRunner.read_back's wait, which has the
+    same deadline, TensorGroup.wait_for.)"""
+    from dendrite_nb.distributed.channels import COLLECTIVE_TIMEOUT
+
+    engine = Engine.from_random(CONFIG, device="cuda", num_blocks=16, tensor_parallel=2)
+    try:
+        engine.new_branch("a", [1, 2, 3])
+        engine.generate(["a"], 8, GREEDY)   # captures the decode step's graph
+        before = engine_state(engine)
+        (pid,) = engine._tensor_group.pids
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"(?i)(timed out|did not finish).*cannot run any more"):
+            engine.generate(["a"], 4, GREEDY)
+        assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds() + 25
+        assert engine_state(engine) == before
+        assert not engine._tensor_group.processes[0].is_alive()
+    finally:
+        engine.close()
