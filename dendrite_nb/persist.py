@@ -43,7 +43,8 @@ from .persist_write import check_target, write_atomically, write_error
 
 class SessionEngine(Protocol):
     """What save and restore use of an engine (dendrite_nb.engine.Engine, which calls them: this module does not
-    import it). restore's `engine_type` is the class, whose from_pretrained and from_random build one."""
+    import it). restore's `engine_type` is the class, whose from_pretrained and from_random build one (and
+    check_pretrained and check_random check what they would build: check_restore)."""
 
     source: dict[str, Any] | None   # how it was built: a checkpoint folder, or a random-weight config and seed
     options: dict[str, Any]   # EngineConfig.saved_options()
@@ -236,7 +237,47 @@ def restore(engine_type: type[SessionEngine], path: str | Path, **overrides: Any
     """A new engine holding the saved session. `overrides` may move it (device, num_blocks, attention,
     cuda_graphs, debug, checkpoint: where the weights now live); dtype, kv_dtype and block_size must match.
     Every field of the file is checked before anything is built; a failure after the engine is built closes it."""
+    manifest, tensors, device, used = _checked(path, overrides)
+    engine = _build(engine_type, manifest, overrides, device, used)
+    try:
+        if weights_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
+            raise SaveFileError("the model loaded for this session is not the one it was saved with (its weights "
+                                "differ); restore with checkpoint= pointing at the model the session was saved from.")
+        check_model_config(json.loads(json.dumps(dataclasses.asdict(engine.config))), manifest)
+        if used > engine.pool.num_blocks:
+            raise SaveFileError(f"the session holds {used:,} KV blocks, the pool has {engine.pool.num_blocks:,}; "
+                                f"restore with num_blocks >= {used:,}.")
+        _rebuild(engine, manifest, tensors, used)
+    except BaseException:
+        engine.close()   # its weights and pool go now, not when the garbage collector finds them
+        raise
+    return engine
 
+
+def check_restore(engine_type: type[SessionEngine], path: str | Path, **overrides: Any) -> None:
+    """Raise what restore(path, **overrides) would raise before it builds the engine: the file and every field of
+    it, the overrides, and the engine it would build, checked as from_pretrained / from_random check theirs before
+    loading (the checkpoint's config read, a tensor-parallel degree the model takes). Builds and starts nothing.
+    What only building can find (the weight files' contents, the memory, the weights' fingerprint) stays
+    restore's to find."""
+    manifest, _, device, used = _checked(path, overrides)
+    options, checkpoint, weights = _build_arguments(manifest, overrides, used)
+    source = manifest["source"]
+    try:
+        if checkpoint is not None:
+            engine_type.check_pretrained(checkpoint, device=device, dtype=manifest["dtype"], weights=weights,
+                                         **options)
+        else:
+            engine_type.check_random(source["hf_config"], device=device, dtype=manifest["dtype"],
+                                     weight_seed=source["weight_seed"], weights=weights, **options)
+    except (DendriteError, ValueError, TypeError, LookupError, RuntimeError, OSError) as error:
+        raise _cannot_rebuild(error, checkpoint) from error
+
+
+def _checked(path: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                                    torch.device, int]:
+    """(manifest, tensors, device, KV blocks used) of the save file at `path`, every check restore makes before
+    it builds done."""
     manifest, tensors = read(path)
     unknown = [key for key in overrides if key not in FREE_OPTIONS + ("dtype", "kv_dtype", "block_size")]
     if unknown:
@@ -260,41 +301,38 @@ def restore(engine_type: type[SessionEngine], path: str | Path, **overrides: Any
             raise SaveFileError(f"the session was saved on {manifest['device']}: {error} Restore it with "
                                 f"device='cpu' (or another device this machine has).") from None
     check_generators(manifest, tensors, device)
-    engine = _build(engine_type, manifest, overrides, device, used)
-    try:
-        if weights_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
-            raise SaveFileError("the model loaded for this session is not the one it was saved with (its weights "
-                                "differ); restore with checkpoint= pointing at the model the session was saved from.")
-        check_model_config(json.loads(json.dumps(dataclasses.asdict(engine.config))), manifest)
-        if used > engine.pool.num_blocks:
-            raise SaveFileError(f"the session holds {used:,} KV blocks, the pool has {engine.pool.num_blocks:,}; "
-                                f"restore with num_blocks >= {used:,}.")
-        _rebuild(engine, manifest, tensors, used)
-    except BaseException:
-        engine.close()   # its weights and pool go now, not when the garbage collector finds them
-        raise
-    return engine
+    return manifest, tensors, device, used
+
+
+def _build_arguments(manifest: dict[str, Any], overrides: dict[str, Any],
+                     used: int) -> tuple[dict[str, Any], str | None, str | None]:
+    """(the engine's options, the checkpoint it loads or None for random weights, its weights format or None)."""
+    options = {**manifest["options"], "block_size": manifest["block_size"], "kv_dtype": manifest["kv_dtype"],
+               "num_blocks": max(manifest["num_blocks"], used)}
+    options.update({k: v for k, v in overrides.items() if k in FREE_OPTIONS and k not in ("device", "checkpoint")})
+    checkpoint = overrides.get("checkpoint") or manifest["source"].get("checkpoint")
+    return options, checkpoint, manifest["source"].get("weights")   # the quantized format the session ran, or None
+
+
+def _cannot_rebuild(error: BaseException, checkpoint: str | None) -> SaveFileError:
+    moved = " If the model has moved, restore with checkpoint= pointing at it." if checkpoint is not None else ""
+    return SaveFileError(f"cannot rebuild the engine this session was saved from: {error}{moved}")
 
 
 def _build(engine_type: type[SessionEngine], manifest: dict[str, Any], overrides: dict[str, Any],
            device: torch.device, used: int) -> SessionEngine:
     """The engine the session was saved from, empty: its model rebuilt from the checkpoint folder (or the
     random-weight config) and its options. A checked manifest leaves only the file system and memory to fail."""
-    options = {**manifest["options"], "block_size": manifest["block_size"], "kv_dtype": manifest["kv_dtype"],
-               "num_blocks": max(manifest["num_blocks"], used)}
-    options.update({k: v for k, v in overrides.items() if k in FREE_OPTIONS and k not in ("device", "checkpoint")})
+    options, checkpoint, weights = _build_arguments(manifest, overrides, used)
     source = manifest["source"]
-    checkpoint = overrides.get("checkpoint") or source.get("checkpoint")
     try:
-        weights = source.get("weights")  # the quantized format the session ran, or None
         if checkpoint is not None:
             return engine_type.from_pretrained(checkpoint, device=device, dtype=manifest["dtype"], weights=weights,
                                                **options)
         return engine_type.from_random(source["hf_config"], device=device, dtype=manifest["dtype"],
                                        weight_seed=source["weight_seed"], weights=weights, **options)
     except (DendriteError, ValueError, TypeError, LookupError, RuntimeError, OSError, MemoryError) as error:
-        moved = " If the model has moved, restore with checkpoint= pointing at it." if checkpoint is not None else ""
-        raise SaveFileError(f"cannot rebuild the engine this session was saved from: {error}{moved}") from error
+        raise _cannot_rebuild(error, checkpoint) from error
 
 
 def _rebuild(engine: SessionEngine, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], used: int) -> None:

@@ -4,7 +4,7 @@ the OpenAI HTTP API (serve), show it (status).
 Every subcommand checks all of its input before it changes anything; a refused one leaves the loaded engine as it
 was. `--tp N` splits the model over N processes (Engine.from_pretrained's and Engine.restore's tensor_parallel);
 where the loaded engine or the new one is tensor-parallel, --replace closes the loaded one before the new one loads
-(session.py), after load's and demo's checks (Engine.check_pretrained); restore's are Engine.restore's own.
+(session.py), after load's and demo's checks (Engine.check_pretrained) and restore's (Engine.check_restore).
 """
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ class SessionMagics(SessionBoundMagics):
           --replace     close the loaded engine (freeing its memory and its branches) and load this one.
                         The loaded engine stays until the new one has loaded, so a failed load keeps it,
                         except where either is tensor-parallel (--tp > 1): its workers hold the devices
-                        the new one needs, so it is closed first, once the path, options and degree are
-                        checked (restore checks its file only as it restores); a load that fails after
-                        that leaves no model loaded, and says so
+                        the new one needs, so it is closed first, once the path (or save file), options
+                        and degree are checked; a load that fails after that (the weights themselves, the
+                        memory) leaves no model loaded, and says so
           status        the engine, its KV pool and its branches; prompt tokens reused and prefilled,
                         the prefix cache, and the server; a tensor-parallel engine's ranks, their devices
                         and process ids
@@ -149,6 +149,8 @@ class SessionMagics(SessionBoundMagics):
         overrides = ({"device": args.device} | ({"num_blocks": args.num_blocks} if args.num_blocks is not None else {})
                      | ({"tensor_parallel": args.tp} if args.tp != 1 else {}))
         source = f"restored {args.path}"
+        with user_errors():
+            Engine.check_restore(args.path, **overrides)   # before a tensor-parallel engine is closed for it
         engine, old = self.session.load(lambda: Engine.restore(args.path, **overrides), source, args.replace, args.tp)
         return Loaded(repr(engine), source, repr(old) if old is not None else None, ranks=ranks_line(engine))
 

@@ -1,9 +1,9 @@
 """Building a tensor-parallel engine (Engine.from_pretrained / from_random with tensor_parallel > 1): check the
 request before anything starts, start the workers, build and check rank 0's shard, and hand both to the engine.
 
-Every rank builds its shard from the same ModelSpec (the same file, loaded whole on the CPU and cut, or the same
-config and seed, drawn on the rank's device a parameter at a time and cut at once) and checks that its checksum of
-the whole model equals rank 0's.
+Every rank builds its shard from the same ModelSpec (the same file's tensors read, or the same config and seed's
+parameters drawn, one at a time on the rank's device, each cut at once: stream_shard.py) and checks that its
+checksum of the whole model equals rank 0's.
 """
 from __future__ import annotations
 

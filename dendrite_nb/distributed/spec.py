@@ -28,39 +28,33 @@ class ModelSpec(NamedTuple):
         gguf_file = find_gguf(Path(self.checkpoint))
         return open_gguf(gguf_file).config if gguf_file is not None else read_config(Path(self.checkpoint))[0]
 
-    def _load_whole(self, tokenizer: bool) -> tuple[CausalLM, Any, Path]:
-        """(the whole checkpoint's model on the CPU, its tokenizer or None, the file or folder it came from).
-        Workers pass tokenizer=False: they never see text, and an HF tokenizer costs seconds of importing
-        transformers."""
-        from ..engine import build
-        from ..model.gguf import find_gguf, load_weights, open_gguf
-        from ..model.loader import load_model, read_config
-
-        cpu = torch.device("cpu")
-        if tokenizer:
-            return build.load_checkpoint(self.checkpoint, cpu, self.dtype)
-        path = Path(self.checkpoint)
-        gguf_file = find_gguf(path)
-        if gguf_file is not None:
-            return load_weights(open_gguf(gguf_file), cpu, self.dtype), None, gguf_file
-        return load_model(path, read_config(path)[0], cpu, self.dtype), None, path
-
     def build_shard(self, rank: int, world: int, device: torch.device,
                     tokenizer: bool = True) -> tuple[CausalLM, Any, Path | None, list[float], str]:
         """(rank's shard of the model on `device`, the tokenizer or None, where it came from, the whole model's
-        checksum and fingerprint). Random weights are drawn a parameter at a time and cut at once
-        (random_shard.py), so no rank holds the whole model; a checkpoint is still loaded whole on the CPU first,
-        then cut."""
-        from ..persist import model_fingerprint
+        checksum and fingerprint). Random weights are drawn, and a checkpoint's tensors read, a parameter at a
+        time and cut at once (stream_shard.py), so no rank holds the whole model. Workers pass tokenizer=False:
+        they never see text, and an HF tokenizer costs seconds of importing transformers."""
+        from ..engine.build import hf_tokenizer
+        from ..model import gguf, loader
         from .random_shard import random_shard
-        from .shard import shard_weights, weights_checksum
+        from .stream_shard import meta_model, shard_from_stream
 
         if self.checkpoint is None:
             model, checksum, whole = random_shard(self.config(), device, self.dtype, self.weight_seed, rank, world)
             return model, None, None, checksum, whole
-        model, tokens, origin = self._load_whole(tokenizer)
-        checksum, whole = weights_checksum(model), model_fingerprint(model)
-        shard_weights(model, rank, world)
-        model = model.to(device)
-        model.materialize(device)
+        path = Path(self.checkpoint)
+        gguf_file = gguf.find_gguf(path)
+        if gguf_file is not None:
+            checkpoint = gguf.open_gguf(gguf_file)
+            model = meta_model(checkpoint.config, self.dtype)
+            pieces, origin = gguf.read_pieces(checkpoint, model), gguf_file
+            tokens = (gguf.gguf_tokenizer(checkpoint.path, checkpoint.metadata, checkpoint.num_tokens)
+                      if tokenizer else None)
+        else:
+            model = meta_model(loader.read_config(path)[0], self.dtype)
+            pieces, origin = loader.read_pieces(path, model), path
+            tokens = hf_tokenizer(path) if tokenizer else None
+        model, checksum, whole = shard_from_stream(model, pieces, device, self.dtype, rank, world)
+        if gguf_file is not None:
+            model.stored_above_4_bits = gguf.above_4_bits(checkpoint)
         return model, tokens, origin, checksum, whole

@@ -32,20 +32,25 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype,
                     weights: str | None = None) -> tuple[CausalLM, Any, Path]:
     """(model, tokenizer, the file or folder it came from) for an HF folder or a GGUF (Engine.from_pretrained);
     weights: a format of model/quantized_linear.py, or None."""
-    from transformers import AutoTokenizer
-
     folder = user_path(path)
     gguf_file = find_gguf(folder)
     if gguf_file is not None:
         model, tokenizer = load_gguf(gguf_file, device, dtype)
         return _quantized(model, weights), tokenizer, gguf_file
     config, _ = read_config(folder)
+    tokenizer = hf_tokenizer(folder)
+    return _quantized(load_model(folder, config, device, dtype), weights), tokenizer, folder
+
+
+def hf_tokenizer(folder: Path) -> Any:
+    """The tokenizer of an HF checkpoint folder, or CheckpointError saying what it lacks."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"cannot load a tokenizer from {str(folder)!r} ({error}); "
                               f"the folder needs tokenizer.json and tokenizer_config.json.") from error
-    return _quantized(load_model(folder, config, device, dtype), weights), tokenizer, folder
 
 
 def random_weights(hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, weight_seed: int,

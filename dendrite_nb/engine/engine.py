@@ -206,8 +206,32 @@ class Engine:
         tensor_parallel > 1 a degree the model cannot be split by. Loads and starts nothing: a caller checks
         before giving something up for the load (the notebook closes its tensor-parallel engine first, whose
         workers hold the GPUs the new one needs). The weight files and the memory only the load can check."""
+        cls._check_spec(ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype)), device, weights,
+                        tensor_parallel, options)
+
+    @classmethod
+    def check_random(cls, hf_config: dict[str, Any], device: str = "cpu", dtype: str | torch.dtype = "float32",
+                     weight_seed: int = 0, weights: str | None = None, tensor_parallel: int = 1,
+                     **options: Any) -> None:
+        """Raise what from_random(the same arguments) would raise before drawing a weight (check_pretrained's
+        checks, the config's own). Builds and starts nothing."""
+        cls._check_spec(ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype)), device, weights,
+                        tensor_parallel, options)
+
+    @classmethod
+    def check_restore(cls, path: str | Path, **overrides: Any) -> None:
+        """Raise what restore(path, **overrides) would raise before building its engine: a damaged or mismatched
+        save file, bad overrides, and what check_pretrained / check_random raise for the engine it would build
+        (at tensor_parallel > 1, a degree its model cannot be split by). Builds and starts nothing: the notebook
+        checks before closing a tensor-parallel engine whose GPUs the restored one needs."""
+        from ..persist import check_restore
+
+        check_restore(cls, path, **overrides)
+
+    @classmethod
+    def _check_spec(cls, spec: ModelSpec, device: Any, weights: str | None, tensor_parallel: int,
+                    options: dict[str, Any]) -> None:
         settings = cls._settings_before_loading(device, options, weights)
-        spec = ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype))
         if check_degree(tensor_parallel) > 1:
             launch.check_request(spec, tensor_parallel, settings, weights)
         else:

@@ -16,7 +16,7 @@ UnsupportedModel for an architecture or type the engine does not run) and nothin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -130,20 +130,35 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
 
 def load_weights(checkpoint: GGUFCheckpoint, device: torch.device, dtype: torch.dtype) -> CausalLM:
     """Dequantize each tensor into its preallocated parameter(s), one tensor at a time."""
+    model = loader.empty_model(checkpoint.config, device, dtype)
+    params = dict(model.named_parameters())
+    model.stored_above_4_bits = above_4_bits(checkpoint)
+    with torch.no_grad():
+        for name, piece in read_pieces(checkpoint, model):
+            params[name].copy_(piece)
+    return model
+
+
+def above_4_bits(checkpoint: GGUFCheckpoint) -> set[str]:
+    """The parameters the file stores quantized above 4 bits (what int4 weights keep in int8)."""
+    return {name for tensor in checkpoint.reader.tensors if tensor.tensor_type in ABOVE_4_BITS
+            for name in checkpoint.plan.get(tensor.name, ())}
+
+
+def read_pieces(checkpoint: GGUFCheckpoint, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, its whole value dequantized to float32 on the CPU) for each parameter of `model` (shapes
+    only are read: a meta model will do), one file tensor at a time; as loader.read_pieces for safetensors."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     config, plan = checkpoint.config, checkpoint.plan
     processor = TENSOR_PROCESSORS.get(checkpoint.arch, TensorProcessor)(
         config={"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads})
-    model = loader.empty_model(config, device, dtype)
     params = dict(model.named_parameters())
-    model.stored_above_4_bits = {name for tensor in checkpoint.reader.tensors if tensor.tensor_type in ABOVE_4_BITS
-                                 for name in plan.get(tensor.name, ())}
     file_bytes = checkpoint.path.stat().st_size
     # `disable` is passed only to silence small loads, so that TQDM_DISABLE still governs the big ones.
     quiet = {"disable": True} if file_bytes < loader.PROGRESS_MIN_BYTES else {}
     with tqdm(total=len(plan), desc=f"loading {checkpoint.path.name}", unit=" tensors", leave=False,
-              **quiet) as bar, torch.no_grad():
+              **quiet) as bar:
         for tensor in checkpoint.reader.tensors:
             targets = plan.get(tensor.name)
             if targets is None:  # read into the config (rope_freqs)
@@ -155,10 +170,8 @@ def load_weights(checkpoint: GGUFCheckpoint, device: torch.device, dtype: torch.
             # A plain F32 tensor comes back as a read-only view of the memory map; torch wants to own it.
             full = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
             parts = [params[name] for name in targets]
-            for param, piece in zip(parts, full.split([p.shape[0] for p in parts])):
-                param.copy_(piece)
+            yield from zip(targets, full.split([p.shape[0] for p in parts]))
             bar.update()
-    return model
 
 
 def _head(path: Path) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -93,6 +93,19 @@ def empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
 
 def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     model = empty_model(config, device, dtype)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, piece in read_pieces(folder, model):
+            params[name].copy_(piece)
+    return model
+
+
+def read_pieces(folder: Path, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, its whole value as the file stores it, on the CPU) for each parameter of `model`, read one
+    checkpoint tensor at a time and checked against the model's shapes (only shapes are read: a model on the meta
+    device will do). Tied weights come once, under model.embed_tokens; a fused tensor on disk comes as its parts.
+    What a tensor-parallel rank cuts its shard from, a parameter at a time (distributed/stream_shard.py)."""
+    config = model.config
     params = dict(model.named_parameters())  # tied weights appear once, under model.embed_tokens
     files = weight_files(folder)
     on_disk = {part for names in files.values() for name in names if not name.endswith(_DERIVED)
@@ -117,11 +130,9 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
                     if tuple(tensor.shape) != implied:
                         raise CheckpointError(f"tensor {name} in {file} has shape {tuple(tensor.shape)}, "
                                               f"config.json implies {implied}.")
-                    with torch.no_grad():
-                        for param, piece in zip(parts, tensor.split([p.shape[0] for p in parts])):
-                            param.copy_(piece)
-                            bar.update()
-    return model
+                    for named_piece in zip(_model_names(name), tensor.split([p.shape[0] for p in parts])):
+                        yield named_piece
+                        bar.update()
 
 
 def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:

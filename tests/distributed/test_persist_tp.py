@@ -43,3 +43,35 @@ def test_a_session_moves_between_degrees(tmp_path):
         assert back.generate(["trunk", "kid"], 12, GREEDY) == expected
     finally:
         back.close()
+
+
+def test_check_restore_raises_what_restore_would_and_builds_nothing(tmp_path):
+    """Engine.check_restore (what the notebook runs before closing a tensor-parallel engine for a restore): a
+    damaged file, a degree the model cannot be split by, an unknown option and a bad device raise as restore does;
+    a good request passes, and no check builds a model or starts a worker."""
+    import multiprocessing
+
+    import pytest
+
+    from dendrite_nb.errors import SaveFileError
+
+    one = Engine.from_random(CONFIG, num_blocks=64, block_size=16)
+    grown(one)
+    good = one.save(tmp_path / "good.dendrite")
+    one.close()
+    damaged = tmp_path / "damaged.dendrite"
+    damaged.write_bytes(good.read_bytes()[:-100])
+    children = multiprocessing.active_children()
+    for path, overrides, error, message in (
+            (damaged, {}, SaveFileError, "not a readable save file"),
+            (good, {"tensor_parallel": 3}, SaveFileError, r"tensor_parallel=3 cannot split .* runs at tensor_parallel 1, 2"),
+            (good, {"tensor_parallel": 0}, SaveFileError, "must be an int >= 1"),
+            (good, {"seed": 3}, TypeError, "unexpected options"),
+            (good, {"device": "bogus"}, ValueError, "bogus")):
+        with pytest.raises(error, match=message):
+            Engine.check_restore(path, **overrides)
+        with pytest.raises(error, match=message):   # restore itself agrees
+            Engine.restore(path, **overrides)
+    Engine.check_restore(good, tensor_parallel=2)
+    Engine.check_restore(good)
+    assert multiprocessing.active_children() == children

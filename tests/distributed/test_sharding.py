@@ -217,3 +217,38 @@ def test_fused_shards_over_gloo_equal_the_whole_fused_model(shape, attention):
         torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
         heads = slice(rank * kv_heads, (rank + 1) * kv_heads)
         torch.testing.assert_close(kv, want_kv[..., heads, :], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, form", [("llama-biased", "sharded safetensors"), ("phi3-gqa-untied", "safetensors"),
+                                         ("qwen3-gqa-tied", "gguf q8_0")])
+def test_a_checkpoint_shard_read_a_tensor_at_a_time_equals_the_whole_models_shard(tmp_path, shape, form):
+    """ModelSpec.build_shard of a checkpoint (what each rank of Engine.from_pretrained builds, reading one tensor
+    at a time and never holding the whole model) gives each rank the weights that cutting the whole loaded model
+    gives it, and the whole model's checksum and fingerprint: HF weights split over shard files, Phi-3's q/k/v and
+    gate/up fused on disk, a tied head, a quantized GGUF."""
+    from dendrite_nb.distributed.shard import shard_weights
+    from dendrite_nb.distributed.spec import ModelSpec
+    from dendrite_nb.engine.build import load_checkpoint
+    from dendrite_nb.persist import model_fingerprint
+    from dendrite_nb.testing import write_tiny_checkpoint
+    from dendrite_nb.testing.gguf_writer import write_gguf
+
+    folder = write_tiny_checkpoint(tmp_path / "hf", shape, seed=4,
+                                   max_shard_bytes=20_000 if form.startswith("sharded") else None)
+    path = write_gguf(folder, tmp_path / "tiny.gguf", "Q8_0") if form.startswith("gguf") else folder
+    cpu = torch.device("cpu")
+    whole, _, _ = load_checkpoint(path, cpu, torch.float32)
+    spec = ModelSpec(str(path), None, 0, torch.float32)
+    for rank in range(WORLD):
+        cut = copy.deepcopy(whole)
+        shard_weights(cut, rank, WORLD)
+        built, tokenizer, origin, checksum, whole_fingerprint = spec.build_shard(rank, WORLD, cpu,
+                                                                               tokenizer=rank == 0)
+        assert checksum == weights_checksum(whole) and whole_fingerprint == model_fingerprint(whole)
+        assert (tokenizer is not None) == (rank == 0)
+        want, got = dict(cut.named_parameters()), dict(built.named_parameters())
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+        if whole.config.tie_word_embeddings:
+            assert built.lm_head.weight is built.model.embed_tokens.weight

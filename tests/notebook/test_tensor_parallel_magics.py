@@ -99,6 +99,24 @@ def test_the_demo_at_a_degree_its_model_cannot_take_is_refused(shell, split, rea
     assert current_session().engine is engine and engine_state(engine) == before
 
 
+def test_a_restore_that_cannot_run_is_refused_before_the_engine_is_closed(shell, split, checkpoint, tmp_path):
+    """Engine.check_restore runs before a tensor-parallel engine is closed for the restore: a damaged save file,
+    and a good one at a degree its model cannot be split by, are refused and the session keeps its engine, its
+    worker running."""
+    engine = current_engine()
+    before, pid = engine_state(engine), worker_pid(engine)
+    good = tmp_path / "good.dendrite"
+    magic(shell, f"dendrite save {good}")
+    damaged = tmp_path / "damaged.dendrite"
+    damaged.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    for line, message in ((f"restore {damaged} --tp 2 --replace", "not a readable save file"),
+                          (f"restore {good} --tp 3 --replace", r"tensor_parallel=3 cannot split")):
+        with pytest.raises(UsageError, match=message):
+            magic(shell, "dendrite " + line)
+        assert current_session().engine is engine and not engine.closed
+        assert engine_state(engine) == before and worker_pid(engine) == pid and psutil.pid_exists(pid)
+
+
 def test_a_session_restores_at_tp_2(shell, split, checkpoint, tmp_path):
     """`%dendrite restore FILE --tp 2 --replace`: the saved tree on a new tensor-parallel engine (the old one's
     worker ended first), which goes on decoding as one process would."""
