@@ -1,8 +1,9 @@
 """Tensor parallelism over NCCL on two GPUs (skipped where fewer are present): an engine split over cuda:0 and cuda:1
 against the same engine on cuda:0 alone, in float32 on a tiny checkpoint (greedy tokens over 64 steps, logits
 within 1e-4, a fork continued, a batch of sampled branches, 32 forks decoding through CUDA graphs on both ranks
-against eager steps, graphs dropped in step), and in bfloat16 at a real shape (logits within bf16's tolerance);
-close() ends the workers, and a killed worker is a clear error within 30 s."""
+against eager steps, graphs dropped in step, a checkpoint read onto each GPU), and in bfloat16 at a real shape
+(logits within bf16's tolerance); close() ends the workers, a killed worker is a clear error within 30 s, and a
+hung one within the collective timeout."""
 import os
 import signal
 import time
@@ -104,6 +105,25 @@ def test_graphs_rank_0_drops_are_dropped_by_the_workers(engines, monkeypatch):
     assert len(two._graphs._graphs) <= 2
 
 
+def test_a_checkpoint_read_onto_each_gpu_a_tensor_at_a_time_matches_one_gpu(tmp_path):
+    """Engine.from_pretrained at TP=2 on the GPUs: each rank reads the file's tensors one at a time onto its own
+    GPU and keeps its part (biases on every product, the row-split ones added once): the same tokens and logits
+    as one GPU."""
+    from dendrite_nb.testing import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "llama-biased", seed=2)
+    engines = [Engine.from_pretrained(folder, device="cuda", num_blocks=32, tensor_parallel=degree)
+               for degree in (1, 2)]
+    try:
+        for engine in engines:
+            engine.new_branch("t", "the quick brown fox")
+        torch.testing.assert_close(engines[1].next_logits(["t"]), engines[0].next_logits(["t"]), rtol=0, atol=1e-4)
+        assert engines[1].generate(["t"], 24, GREEDY) == engines[0].generate(["t"], 24, GREEDY)
+    finally:
+        for engine in engines:
+            engine.close()
+
+
 def test_real_shape_logits_within_bfloat16_tolerance():
     """Qwen3-0.6B's shape in bfloat16 (random weights): TP=2's next-token logits against one GPU's, relative to
     their scale, as bf16 rounding of differently summed partial products allows."""
@@ -172,3 +192,48 @@ def test_a_hung_worker_is_a_clear_error_not_a_hang():
         assert not engine._tensor_group.processes[0].is_alive()
     finally:
         engine.close()
+
+
+def test_a_session_saved_at_tp_2_restores_on_one_gpu(tmp_path):
+    """Saved from two GPUs (every rank's KV gathered), restored on one: the same tree, logits and greedy tokens as
+    the saved engine goes on with."""
+    two = Engine.from_random(CONFIG, device="cuda", num_blocks=32, block_size=16, tensor_parallel=2)
+    try:
+        two.new_branch("trunk", PROMPT)
+        two.generate(["trunk"], 7, GREEDY)
+        two.fork("trunk", names=["kid"])
+        two.generate(["trunk", "kid"], 5, SAMPLED)
+        path = two.save(tmp_path / "two.dendrite")
+        state, logits = engine_state(two), two.next_logits(["trunk", "kid"])
+        expected = two.generate(["trunk", "kid"], 12, GREEDY)
+    finally:
+        two.close()
+    one = Engine.restore(path)
+    try:
+        assert one.tensor_parallel == 1 and engine_state(one) == state
+        torch.testing.assert_close(one.next_logits(["trunk", "kid"]), logits, rtol=0, atol=1e-4)
+        assert one.generate(["trunk", "kid"], 12, GREEDY) == expected
+    finally:
+        one.close()
+
+
+def test_cycles_of_build_generate_and_close_leave_no_worker_or_port():
+    """DENDRITE_TP_CYCLES (default 3) engines over NCCL, one after another, each capturing graphs: after each
+    close no worker process of this one is left and the store's port is closed."""
+    import multiprocessing
+
+    psutil = pytest.importorskip("psutil")
+    me = psutil.Process()
+    children_before = set(multiprocessing.active_children())   # the module's pair of engines, still open
+    listening_before = {c.laddr for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    tokens = None
+    for cycle in range(int(os.environ.get("DENDRITE_TP_CYCLES", "3"))):
+        engine = Engine.from_random(CONFIG, device="cuda", num_blocks=16, tensor_parallel=2)
+        engine.new_branch("a", PROMPT)
+        out = engine.generate(["a"], 8, GREEDY)
+        tokens = tokens or out
+        assert out == tokens, cycle
+        engine.close()
+        assert set(multiprocessing.active_children()) == children_before, cycle
+        listening = {c.laddr for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        assert listening <= listening_before, (cycle, listening - listening_before)
