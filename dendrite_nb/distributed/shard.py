@@ -103,8 +103,9 @@ def place(model: CausalLM, name: str, whole: torch.Tensor, part: tuple[int, slic
 def shard_weights(model: CausalLM, rank: int, world: int) -> None:
     """Cut a whole model's float weights down to rank's part, in place."""
     if model.weights_format is not None or model.fused_kernels:
-        raise TensorParallelError(f"tensor_parallel > 1 shards float weights run by the reference path; this model "
-                                  f"has {model.weights_format or 'fused'} weights.")
+        raise TensorParallelError(f"tensor_parallel > 1 shards a model's float weights before its q/k/v and gate/up "
+                                  f"are fused (each rank fuses its own part); this model has "
+                                  f"{model.weights_format or 'fused'} weights.")
     for name, param in list(model.named_parameters()):
         part = parameter_part(name, model.config, rank, world)
         if part is not None:   # a whole one stays as it is (replaced, a tied embedding would come untied)
