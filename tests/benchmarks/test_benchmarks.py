@@ -37,7 +37,8 @@ def run(tmp_path, monkeypatch, capsys):
         assert last_lines[-1].startswith(f"{script} wall time: ")
         for table in payload["tables"]:
             assert table["title"] in printed   # the closing table is printed, not only written
-        assert payload["floors"]["copy_bytes_per_s"] > 0 and payload["floors"]["matmul_flop_per_s"] > 0
+        matmul = payload["floors"]["matmul_flop_per_s"]   # None where nothing is computed (an all-reduce)
+        assert payload["floors"]["copy_bytes_per_s"] > 0 and (matmul is None or matmul > 0)
         return payload, printed
 
     return run_script
@@ -278,6 +279,17 @@ def test_tensor_parallel(run):
     assert one["x_tp1"] == 1.0 and two["step_ms"] > 0
     assert math.isclose(two["floor_ms"], one["floor_ms"] / 2, rel_tol=1e-9)
     assert "TP=2: " in printed and "the TP=1 step" in payload["notes"][0]
+
+
+def test_all_reduce(run):
+    """Two gloo processes on the CPU: the eager row only (graphs and symmetric memory need GPUs), its time next to
+    the floor of reading the peer's tensor once, and a step's 64 of them."""
+    payload, _ = run("all_reduce")
+    (row,) = rows(payload)
+    assert (row["rows"], row["variant"]) == (4, "engine, eager")
+    assert row["us"] > 0 and row["floor_us"] > 0
+    assert math.isclose(row["x_floor"], row["us"] / row["floor_us"], rel_tol=1e-9)
+    assert math.isclose(row["step_ms"], row["us"] * 64 / 1e3, rel_tol=1e-9)
 
 
 def test_tensor_parallel_tree_of_thought(run):

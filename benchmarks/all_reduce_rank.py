@@ -1,0 +1,87 @@
+"""One rank's side of all_reduce.py's measurements: a module of its own, so that the process all_reduce.py spawns
+for rank 1 can import it (a spawned process imports its target by module name)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dendrite_nb.distributed.channels import COLLECTIVE_TIMEOUT, HOST, Channels
+
+CALLS = 64   # all-reduces a graph holds: a 32-layer model's decode step
+REPEATS = 20
+
+
+def seconds(run, device: torch.device, repeats: int = REPEATS) -> float:
+    """Median seconds of run() (after two untimed runs)."""
+    times = []
+    for attempt in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if attempt >= 2:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def graph_of(body, device: torch.device) -> torch.cuda.CUDAGraph:
+    """CALLS of body() captured in one graph (the collectives' warm-up runs first, eagerly)."""
+    body()
+    torch.cuda.synchronize(device)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    with torch.cuda.stream(side), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(CALLS):
+            body()
+    torch.cuda.synchronize(device)
+    return graph
+
+
+def _symm_mem_seconds(x: torch.Tensor, group_name: str) -> float:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
+    symm_mem.rendezvous(buffer, group_name)
+    buffer.copy_(x)
+    out = torch.empty_like(x)
+    graph = graph_of(lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", group_name, out), x.device)
+    return seconds(graph.replay, x.device) / CALLS
+
+
+def measure(rank: int, world: int, port: int, device_name: str, dtype: torch.dtype, shapes: list[tuple[int, int]],
+            results) -> None:
+    """Rank `rank`'s side of every measurement; rank 0 puts {(rows, variant): seconds or the reason} in results."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(HOST, port, world, rank == 0, COLLECTIVE_TIMEOUT)
+    channels = Channels(store, rank, world, device)
+    cuda = device.type == "cuda"
+    if cuda:   # torch.distributed's own group for symm_mem, on a prefix of the same store
+        dist.init_process_group("nccl", store=dist.PrefixStore("symm_mem", store), rank=rank, world_size=world,
+                                device_id=device)
+    found = {}
+    try:
+        for rows, hidden in shapes:
+            x = torch.randn(rows, hidden, device=device).to(dtype)
+            found[(rows, "engine, eager")] = seconds(lambda: channels.all_reduce(x), device)
+            if not cuda:
+                continue
+            graph = graph_of(lambda: channels.all_reduce(x), device)
+            found[(rows, "engine, in a graph")] = seconds(graph.replay, device) / CALLS
+            graph.reset()
+            try:
+                found[(rows, "symm_mem one-shot")] = _symm_mem_seconds(x, dist.group.WORLD.group_name)
+            except (RuntimeError, AttributeError, ImportError) as error:   # a build or machine without it
+                found[(rows, "symm_mem one-shot")] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        if rank == 0:
+            results.put(found)
+    finally:
+        if cuda:
+            torch.cuda.synchronize(device)
+            dist.destroy_process_group()
+        channels.shutdown()
