@@ -9,6 +9,10 @@ other.
     host     gloo: CPU tensors a command moves (KV blocks exported or imported)
     device   the forward's all-reduces: NCCL on CUDA; on the CPU, the host group itself
 
+On GPUs, a forward's small all-reduces (a decode step of up to 16 rows at hidden 4096 in bf16: peer_memory.py)
+skip NCCL: a kernel of this package (kernels/peer_sum.py) sums them through memory every rank maps, in about a
+third of NCCL's time. The ranks agree on that when the channels are built: all use peer memory or none does.
+
 Every collective has a timeout (COLLECTIVE_TIMEOUT), so a worker that hangs becomes an error, not a hang; one that
 dies closes its connections, which fails the next collective at once. Only a worker waiting for its next command
 waits longer (IDLE_TIMEOUT): a notebook may sit idle for days between calls.
@@ -23,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import peer_memory
 
 HOST = "127.0.0.1"  # one host: every rank is a process of this machine, so they talk over the loopback
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=20)
@@ -67,6 +73,11 @@ class Channels:
         self.control = _gloo(store, "control", rank, world)
         self.host = _gloo(store, "host", rank, world)
         self.device = _nccl(store, rank, world) if device.type == "cuda" else self.host
+        self.peer_sum: peer_memory.PeerSum | None = None
+        self.peer_memory_off = _agree_on_peer_memory(store, rank, world, device)   # why not, or None
+        if self.peer_memory_off is None:
+            self.peer_sum, self.peer_memory_off = _build_peer_memory(store, rank, world, device,
+                                                                     {"cpu": self.host, "cuda": self.device})
 
     # ---- commands: rank 0 sends, the workers receive ---------------------------------------------
     def send(self, message: Any) -> None:
@@ -84,9 +95,11 @@ class Channels:
         return pickle.loads(payload.numpy().tobytes())
 
     # ---- tensors ------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` over the ranks, in place (the forward's partial products)."""
-        self.device.allreduce([tensor]).wait()
+    def all_reduce(self, tensor: torch.Tensor, buffer: int = 0) -> None:
+        """Sum `tensor` over the ranks, in place (the forward's partial products). buffer: 0 or 1, never the same
+        in two calls in a row (the attention's all-reduces take 0, the MLP's 1), for peer memory's inboxes."""
+        if self.peer_sum is None or not self.peer_sum(tensor, buffer):
+            self.device.allreduce([tensor]).wait()
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's `tensor` into every rank's `tensor` (same shape and dtype), over the device group."""
@@ -106,10 +119,18 @@ class Channels:
         options.rootRank = 0
         self.host.scatter([out], [parts] if self.rank == 0 else [], options).wait()
 
+    def end_waits(self) -> None:
+        """Make this rank's peer-memory kernels stop waiting for the others (a worker died or hangs, or the engine
+        closes): those running now end, and so do those still queued. Before anything that waits for the GPU."""
+        if self.peer_sum is not None:
+            self.peer_sum.abort()
+
     def shutdown(self) -> None:
         """Close the groups' connections now (the store's port goes with the store). NCCL's communicator is
         aborted rather than shut down: a shutdown flushes it with its peers, and hangs where one is gone (a worker
-        killed, or already exited after close)."""
+        killed, or already exited after close). Peer memory's waiting kernels are told to end first."""
+        if self.peer_sum is not None:
+            self.peer_sum.close()
         for group in {id(g): g for g in (self.device, self.host, self.control)}.values():
             if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):   # absent from CPU builds
                 _abort_nccl(group)
@@ -118,6 +139,42 @@ class Channels:
                 group.shutdown()
             except RuntimeError:   # a group a dead peer already broke: its connections are closed
                 pass
+
+
+def _agree_on_peer_memory(store: dist.Store, rank: int, world: int, device: torch.device) -> str | None:
+    """None where every rank can use peer memory; otherwise why one cannot (every rank gets the same answer)."""
+    if device.type != "cuda":
+        return "the ranks are not GPUs"
+    first = (device.index or 0) - rank
+    devices = [torch.device("cuda", first + other) for other in range(world)]
+    store.set(f"peer-memory/{rank}", peer_memory.unavailable_reason(devices, rank) or "")
+    reasons = [store.get(f"peer-memory/{other}").decode() for other in range(world)]
+    return next((f"rank {other}: {reason}" for other, reason in enumerate(reasons) if reason), None)
+
+
+def _build_peer_memory(store: dist.Store, rank: int, world: int, device: torch.device,
+                       backends: dict[str, Any]) -> tuple[peer_memory.PeerSum | None, str | None]:
+    """(this rank's PeerSum, None), or (None, why not) on every rank if any rank failed to build its own."""
+    name = _shared_value(store, rank, "peer-memory-name", peer_memory.new_name)
+    built, error = None, ""
+    try:
+        built = peer_memory.PeerSum(store, name, rank, world, device, backends)
+    except RuntimeError as failure:   # a driver or torch that will not map it: NCCL does every all-reduce
+        error = str(failure).strip().splitlines()[0][:300] if str(failure).strip() else type(failure).__name__
+    store.set(f"peer-memory-built/{rank}", error)
+    errors = [store.get(f"peer-memory-built/{other}").decode() for other in range(world)]
+    failed = next((f"rank {other} could not map it: {error}" for other, error in enumerate(errors) if error), None)
+    if failed is not None and built is not None:
+        built.close()
+        built = None
+    return built, failed
+
+
+def _shared_value(store: dist.Store, rank: int, key: str, make) -> str:
+    """Rank 0's make() for every rank."""
+    if rank == 0:
+        store.set(key, make())
+    return store.get(key).decode()
 
 
 def _abort_nccl(group: Any) -> None:

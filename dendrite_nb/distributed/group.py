@@ -163,9 +163,9 @@ class TensorGroup:
                        f"leaving the workers inside it")
             raise
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """The model's hook (distributed/shard.py): sum the ranks' partial outputs in place."""
-        self._collective("an all-reduce", self.channels.all_reduce, tensor)
+    def all_reduce(self, tensor: torch.Tensor, buffer: int = 0) -> None:
+        """The model's hook (distributed/shard.py): sum the ranks' partial outputs in place (Channels.all_reduce)."""
+        self._collective("an all-reduce", self.channels.all_reduce, tensor, buffer)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's `tensor` (on its device) into the workers' tensors of its shape: a forward's token ids."""
@@ -232,6 +232,8 @@ class TensorGroup:
         return TensorParallelError(self.broken)
 
     def _shut(self) -> None:
+        if self.channels is not None:   # first: releasing the graphs below may wait for a kernel stuck on a peer
+            self.channels.end_waits()
         self._finalizer.detach()
         for release in self.before_shutdown:
             release()

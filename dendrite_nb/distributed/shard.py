@@ -12,6 +12,7 @@ model's, so grouped-query attention needs no change.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -112,13 +113,15 @@ def shard_weights(model: CausalLM, rank: int, world: int) -> None:
             place(model, name, param.data, part)
 
 
-def connect(model: CausalLM, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None]) -> None:
-    """Make a model whose weights are rank's part run as that rank: its head counts, the all-reduce hooks."""
+def connect(model: CausalLM, rank: int, world: int, all_reduce: Callable[..., None]) -> None:
+    """Make a model whose weights are rank's part run as that rank: its head counts, the all-reduce hooks.
+    all_reduce(tensor, buffer) sums tensor over the ranks in place; buffer is 0 for the attention's and 1 for the
+    MLP's, so that two all-reduces in a row never have the same one (peer memory's inboxes take turns)."""
     heads, kv_heads = local_heads(model.config, world)
     for layer in model.model.layers:
         layer.self_attn.shape = (heads, kv_heads, model.config.head_dim)
-        layer.self_attn.all_reduce = all_reduce
-        layer.mlp.all_reduce = all_reduce
+        layer.self_attn.all_reduce = functools.partial(all_reduce, buffer=0)
+        layer.mlp.all_reduce = functools.partial(all_reduce, buffer=1)
     model.tensor_parallel = (rank, world)
 
 

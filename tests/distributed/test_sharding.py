@@ -27,7 +27,7 @@ class ThreadSum:
         self.parts: list[torch.Tensor | None] = [None] * world
 
     def hook(self, rank: int):
-        def all_reduce(tensor: torch.Tensor) -> None:
+        def all_reduce(tensor: torch.Tensor, buffer: int = 0) -> None:
             self.parts[rank] = tensor.clone()
             self.barrier.wait()
             total = torch.stack(self.parts).sum(0)

@@ -108,12 +108,12 @@ def test_ctrl_c_mid_step_stops_every_rank_at_the_step_boundary(engines, sigint_r
     group, calls = two._tensor_group, {"n": 0}
     real = group.channels.all_reduce
 
-    def interrupted(tensor):
+    def interrupted(tensor, buffer=0):
         calls["n"] += 1
         if calls["n"] == 10:   # inside the third step's forward (two all-reduces a layer, two layers)
             for pid in (os.getpid(), *group.pids):
                 os.kill(pid, signal.SIGINT)
-        real(tensor)
+        real(tensor, buffer)
 
     monkeypatch.setattr(group.channels, "all_reduce", interrupted)
     with pytest.raises(GenerationInterrupted) as stopped:
