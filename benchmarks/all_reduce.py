@@ -3,9 +3,13 @@ all-reduces costs, the engine's way and torch's symmetric-memory way.
 
 A [rows, hidden] tensor in --dtype (rows: the leaves of a decode step; hidden 4,096, an 8B model's) summed over two
 ranks, one process each (rank 0 this one, rank 1 spawned). Rows, from one run on one machine:
-  engine, eager          the engine's NCCL group (distributed/channels.py), one all-reduce launched at a time;
-  engine, in a graph     CALLS all-reduces captured in one CUDA graph and replayed, as a tensor-parallel decode
+  NCCL, eager            the engine's NCCL group (distributed/channels.py), one all-reduce launched at a time;
+  NCCL, in a graph       CALLS all-reduces captured in one CUDA graph and replayed, as a tensor-parallel decode
                          step runs them (cuda_graphs.py);
+  peer memory, eager     the engine's own one-shot kernel (kernels/peer_sum.py, distributed/peer_memory.py),
+                         pushing each rank's tensor into the peer's inbox over NVLink, at every size here (the
+                         engine sends it only those up to peer_memory.FASTER_THAN_NCCL_BYTES); one at a time;
+  peer memory, in a graph  the same, CALLS in one graph, the two inbox buffers alternating as in a step;
   symm_mem one-shot      torch's symmetric-memory one-shot all-reduce (each GPU reads its peer's buffer over
                          NVLink: P2P loads, no multicast), captured the same way; torch.distributed's own
                          process group, as the engine's groups are not registered with it.

@@ -29,13 +29,13 @@ def seconds(run, device: torch.device, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def graph_of(body, device: torch.device) -> torch.cuda.CUDAGraph:
-    """CALLS of body() captured in one graph (the collectives' warm-up runs first, eagerly)."""
+def graph_of(body, device: torch.device, times: int = CALLS) -> torch.cuda.CUDAGraph:
+    """`times` calls of body() captured in one graph (the collectives' warm-up runs first, eagerly)."""
     body()
     torch.cuda.synchronize(device)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
     with torch.cuda.stream(side), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(CALLS):
+        for _ in range(times):
             body()
     torch.cuda.synchronize(device)
     return graph
@@ -68,12 +68,25 @@ def measure(rank: int, world: int, port: int, device_name: str, dtype: torch.dty
     try:
         for rows, hidden in shapes:
             x = torch.randn(rows, hidden, device=device).to(dtype)
-            found[(rows, "engine, eager")] = seconds(lambda: channels.all_reduce(x), device)
+            found[(rows, "NCCL, eager")] = seconds(lambda: channels.device.allreduce([x]).wait(), device)
             if not cuda:
                 continue
-            graph = graph_of(lambda: channels.all_reduce(x), device)
-            found[(rows, "engine, in a graph")] = seconds(graph.replay, device) / CALLS
+            graph = graph_of(lambda: channels.device.allreduce([x]).wait(), device)
+            found[(rows, "NCCL, in a graph")] = seconds(graph.replay, device) / CALLS
             graph.reset()
+            if channels.peer_sum is None:
+                found[(rows, "peer memory, in a graph")] = f"off: {channels.peer_memory_off}"
+            else:
+                peer = channels.peer_sum   # its kernel at every size, where the engine sends only small ones
+                found[(rows, "peer memory, eager")] = seconds(lambda: peer.sum(x, 0), device)
+                # the buffers alternate as a step's attention and MLP all-reduces alternate them
+                graph = graph_of(lambda: [peer.sum(x, 0), peer.sum(x, 1)], device, CALLS // 2)
+                found[(rows, "peer memory, in a graph")] = seconds(graph.replay, device) / CALLS
+                graph.reset()
+                check = torch.full((rows, hidden), float(rank + 1), device=device, dtype=dtype)
+                peer.sum(check, 0)
+                if not bool((check == sum(range(1, world + 1))).all()):
+                    raise RuntimeError("peer memory's all-reduce gave a wrong sum")
             try:
                 found[(rows, "symm_mem one-shot")] = _symm_mem_seconds(x, dist.group.WORLD.group_name)
             except (RuntimeError, AttributeError, ImportError) as error:   # a build or machine without it

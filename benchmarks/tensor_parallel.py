@@ -19,7 +19,7 @@ over --degrees GPUs searches tree_of_thought.py's tree (width 5, depth 10, 32 sa
 prompt); its wall time, per decode step, each GPU's peak memory, and the floor of its decode steps.
 
     python benchmarks/tensor_parallel.py [--shape llama-3.1-8b] [--leaves 64] [--prefix 4096] [--degrees 2]
-                                         [--steps 16] [--json PATH] [--smoke]
+                                         [--steps 16] [--no-eager] [--json PATH] [--smoke]
     python benchmarks/tensor_parallel.py --tree-of-thought [--shape llama-3.1-70b] [--degrees 2]
 """
 from __future__ import annotations
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     arguments.add_argument("--degrees", type=int, nargs="+", default=[2],
                            help="the split degrees (default 2); TP=1 always runs first, as the baseline")
     arguments.add_argument("--steps", type=int, default=None, help="steps per timed call (default 16; smoke 2)")
+    arguments.add_argument("--no-eager", action="store_true", help="leave out the eager rows (minutes on a GPU)")
     args = arguments.parse_args(argv)
     args.shape = args.shape or ("llama-3.1-70b" if args.tree_of_thought else "llama-3.1-8b")
     setup = make_setup(args)
@@ -87,10 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
                           Column("floor_ms", "floor ms", "{:.3f}"), Column("x_floor", "x floor", "{:.2f}"),
                           Column("x_tp1", "x TP=1", "{:.2f}")])
     costs = one_gpu_ms = None
-    variants = [("TP=1", 1, {})] + ([("TP=1 eager", 1, {"cuda_graphs": False})] if setup.device.type == "cuda" else [])
+    eager = setup.device.type == "cuda" and not args.no_eager
+    variants = [("TP=1", 1, {})] + ([("TP=1 eager", 1, {"cuda_graphs": False})] if eager else [])
     for degree in sorted(set(args.degrees) - {1}):
         variants += [(f"TP={degree}", degree, {})]
-        if setup.device.type == "cuda":
+        if eager:
             variants += [(f"TP={degree} eager", degree, {"cuda_graphs": False})]
     for name, degree, options in variants:
         engine = Engine.from_random(hf_config, device=str(setup.device), dtype=setup.dtype, num_blocks=blocks,

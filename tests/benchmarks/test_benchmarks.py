@@ -282,11 +282,12 @@ def test_tensor_parallel(run):
 
 
 def test_all_reduce(run):
-    """Two gloo processes on the CPU: the eager row only (graphs and symmetric memory need GPUs), its time next to
-    the floor of reading the peer's tensor once, and a step's 64 of them."""
+    """Two gloo processes on the CPU: the eager row only (graphs and peer memory need GPUs; the row's name is the
+    GPU's, "NCCL", for the group's eager all-reduce), its time next to the floor of reading the peer's tensor once,
+    and a step's 64 of them."""
     payload, _ = run("all_reduce")
     (row,) = rows(payload)
-    assert (row["rows"], row["variant"]) == (4, "engine, eager")
+    assert (row["rows"], row["variant"]) == (4, "NCCL, eager")
     assert row["us"] > 0 and row["floor_us"] > 0
     assert math.isclose(row["x_floor"], row["us"] / row["floor_us"], rel_tol=1e-9)
     assert math.isclose(row["step_ms"], row["us"] * 64 / 1e3, rel_tol=1e-9)
