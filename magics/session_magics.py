@@ -210,7 +210,8 @@ def ranks_line(engine: Engine) -> str | None:
     if engine.tensor_parallel == 1:
         return None
     workers = ", ".join(f"rank {worker.rank} on {worker.device} (pid {worker.pid})" for worker in engine.tensor_workers)
-    return f"tensor parallel: {engine.tensor_parallel} ranks: rank 0 on {engine.device} (this kernel), {workers}"
+    return (f"tensor parallel: {engine.tensor_parallel} ranks: rank 0 on {engine.device} (this kernel), {workers}; "
+            f"all-reduces over {engine.tensor_all_reduce}")
 
 
 # load's, demo's and restore's: the engine checks the degree, and names those the model takes.

@@ -79,6 +79,15 @@ class Channels:
             self.peer_sum, self.peer_memory_off = _build_peer_memory(store, rank, world, device,
                                                                      {"cpu": self.host, "cuda": self.device})
 
+    @property
+    def all_reduce_route(self) -> str:
+        """How the forward's all-reduces travel, in words (what %dendrite status shows)."""
+        if self.device is self.host:
+            return "gloo"
+        if self.peer_sum is not None:
+            return f"peer memory up to {peer_memory.FASTER_THAN_NCCL_BYTES // 1024} KiB, NCCL above"
+        return f"NCCL (peer memory off: {self.peer_memory_off})"
+
     # ---- commands: rank 0 sends, the workers receive ---------------------------------------------
     def send(self, message: Any) -> None:
         """Rank 0: one pickled message to every worker (its size, then its bytes)."""

@@ -198,6 +198,15 @@ class Engine:
             return ()
         return tuple(TensorWorker(rank, group.rank_device(rank), pid) for rank, pid in enumerate(group.pids, start=1))
 
+    @property
+    def tensor_all_reduce(self) -> str | None:
+        """How a tensor-parallel engine's all-reduces travel between its ranks, in words (gloo on the CPU; on GPUs
+        peer memory for small ones and NCCL, or NCCL alone and why); None at tensor_parallel=1 or once closed."""
+        group = self._tensor_group
+        if group is None or group.channels is None:
+            return None
+        return group.channels.all_reduce_route
+
     @classmethod
     def check_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                          weights: str | None = None, tensor_parallel: int = 1, **options: Any) -> None:

@@ -56,7 +56,8 @@ def test_load_closes_the_engine_first_and_says_where_the_ranks_run(shell, split)
     (worker,) = engine.tensor_workers
     assert worker.rank == 1 and str(worker.device) == "cpu"
     assert worker.pid in {child.pid for child in psutil.Process().children()}
-    ranks = f"tensor parallel: 2 ranks: rank 0 on cpu (this kernel), rank 1 on cpu (pid {worker.pid})"
+    ranks = (f"tensor parallel: 2 ranks: rank 0 on cpu (this kernel), rank 1 on cpu (pid {worker.pid}); "
+             f"all-reduces over gloo")
     assert ranks in repr(loaded).splitlines()
     assert "(closed and freed the previous engine: Engine(" in repr(loaded)
     status, _ = magic(shell, "dendrite status")
