@@ -16,7 +16,8 @@ ranks, one process each (rank 0 this one, rank 1 spawned). Rows, from one run on
 Floor: each rank reads its peer's tensor once, over the bandwidth of a large copy from the peer's memory (measured
 here; on the CPU, the copy bandwidth). On the CPU (--smoke) the group is gloo and only the eager row runs.
 
-    python benchmarks/all_reduce.py [--rows 1 16 64] [--hidden 4096] [--json PATH] [--smoke]
+    python benchmarks/all_reduce.py [--rows 1 16 64] [--hidden 4096] [--peer-launches 2048x4 8192x8] [--json PATH]
+                                    [--smoke]
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 from all_reduce_rank import CALLS, measure, seconds
 from bench_common import Column, Floors, Report, log, measure_copy_bandwidth, parser, setup as make_setup
 from dendrite_nb.distributed.channels import HOST
+from dendrite_nb.kernels.peer_sum import BLOCK, WARPS
 
 
 def peer_read_bandwidth(device: torch.device, peer: torch.device) -> float:
@@ -42,7 +44,12 @@ def main(argv: list[str] | None = None) -> dict:
     arguments = parser(__doc__)
     arguments.add_argument("--rows", type=int, nargs="+", default=None, help="default 1 16 64 (smoke 4)")
     arguments.add_argument("--hidden", type=int, default=None, help="default 4096 (smoke 64)")
+    arguments.add_argument("--peer-launches", nargs="+", default=None, metavar="BLOCKxWARPS",
+                           help="the peer-memory kernel's launches to time, e.g. 2048x4 8192x8 (default: the "
+                                "engine's)")
     args = arguments.parse_args(argv)
+    launches = [tuple(int(part) for part in text.split("x")) for text in args.peer_launches or []] or \
+        [(BLOCK, WARPS)]
     setup = make_setup(args)
     cuda = setup.device.type == "cuda"
     if cuda and torch.cuda.device_count() < 2:
@@ -61,11 +68,11 @@ def main(argv: list[str] | None = None) -> dict:
     with socket.socket() as probe:   # a free port for the ranks' store (rank 0, this process, opens it)
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
-    peer = context.Process(target=measure, args=(1, 2, port, str(devices[1]), setup.dtype, shapes, results),
+    peer = context.Process(target=measure, args=(1, 2, port, str(devices[1]), setup.dtype, shapes, results, launches),
                            daemon=True)
     peer.start()
     try:
-        measure(0, 2, port, str(devices[0]), setup.dtype, shapes, results)
+        measure(0, 2, port, str(devices[0]), setup.dtype, shapes, results, launches)
         found = results.get(timeout=600)
     finally:
         peer.join(60)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dendrite_nb.distributed.channels import COLLECTIVE_TIMEOUT, HOST, Channels
+from dendrite_nb.kernels.peer_sum import BLOCK, WARPS
 
 CALLS = 64   # all-reduces a graph holds: a 32-layer model's decode step
 REPEATS = 20
@@ -53,8 +54,9 @@ def _symm_mem_seconds(x: torch.Tensor, group_name: str) -> float:
 
 
 def measure(rank: int, world: int, port: int, device_name: str, dtype: torch.dtype, shapes: list[tuple[int, int]],
-            results) -> None:
-    """Rank `rank`'s side of every measurement; rank 0 puts {(rows, variant): seconds or the reason} in results."""
+            results, launches: list[tuple[int, int]] = ((BLOCK, WARPS),)) -> None:
+    """Rank `rank`'s side of every measurement; rank 0 puts {(rows, variant): seconds or the reason} in results.
+    launches: the (block, warps) of the peer-memory kernel to time."""
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -76,17 +78,19 @@ def measure(rank: int, world: int, port: int, device_name: str, dtype: torch.dty
             graph.reset()
             if channels.peer_sum is None:
                 found[(rows, "peer memory, in a graph")] = f"off: {channels.peer_memory_off}"
-            else:
+            for block, warps in ([] if channels.peer_sum is None else launches):
                 peer = channels.peer_sum   # its kernel at every size, where the engine sends only small ones
-                found[(rows, "peer memory, eager")] = seconds(lambda: peer.sum(x, 0), device)
+                name = "peer memory" + ("" if (block, warps) == (BLOCK, WARPS) else f" ({block} x {warps} warps)")
+                found[(rows, f"{name}, eager")] = seconds(lambda: peer.sum(x, 0, block=block, warps=warps), device)
                 # the buffers alternate as a step's attention and MLP all-reduces alternate them
-                graph = graph_of(lambda: [peer.sum(x, 0), peer.sum(x, 1)], device, CALLS // 2)
-                found[(rows, "peer memory, in a graph")] = seconds(graph.replay, device) / CALLS
+                graph = graph_of(lambda: [peer.sum(x, 0, block=block, warps=warps),
+                                          peer.sum(x, 1, block=block, warps=warps)], device, CALLS // 2)
+                found[(rows, f"{name}, in a graph")] = seconds(graph.replay, device) / CALLS
                 graph.reset()
                 check = torch.full((rows, hidden), float(rank + 1), device=device, dtype=dtype)
-                peer.sum(check, 0)
+                peer.sum(check, 0, block=block, warps=warps)
                 if not bool((check == sum(range(1, world + 1))).all()):
-                    raise RuntimeError("peer memory's all-reduce gave a wrong sum")
+                    raise RuntimeError(f"peer memory's all-reduce ({block} x {warps} warps) gave a wrong sum")
             try:
                 found[(rows, "symm_mem one-shot")] = _symm_mem_seconds(x, dist.group.WORLD.group_name)
             except (RuntimeError, AttributeError, ImportError) as error:   # a build or machine without it

@@ -112,11 +112,12 @@ class PeerSum:
         self.sum(tensor, buffer)
         return True
 
-    def sum(self, tensor: torch.Tensor, buffer: int) -> None:
-        """Sum a contiguous CUDA tensor of at most CAPACITY_BYTES over the ranks, in place, through peer memory."""
+    def sum(self, tensor: torch.Tensor, buffer: int, **launch: int) -> None:
+        """Sum a contiguous CUDA tensor of at most CAPACITY_BYTES over the ranks, in place, through peer memory.
+        launch: peer_sum's block and warps, for tuning."""
         inbox, inbox_deltas = self._inbox(tensor.dtype)
         peer_sum(tensor, self.rank, self.world, inbox, inbox_deltas, self._flags, self._flag_deltas,
-                 self._abort.data_ptr(), buffer)
+                 self._abort.data_ptr(), buffer, **launch)
 
     def _inbox(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's inbox viewed as `dtype`, and where every rank's lies from it, in elements of `dtype`."""

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .pdl import pdl_arguments, wait_for_inputs
 
-BLOCK = 2048  # elements a program moves at a time (4 KB of bf16)
+BLOCK, WARPS = 2048, 4  # elements a program moves at a time (4 KB of bf16), and its warps
 # Programs at most. Past about eight, each program added about 4 us to an all-reduce, as if the programs' handshakes
 # over NVLink ran one at a time (why is not known): on 2 x H100, [64, 4096] bf16 in a graph took 542 us in 128
 # programs, 133 in 32, 67 in 16; [16, 4096] 131 us in 32 and 6.5 in 8 (docs/lab/tensor-parallel.md).
@@ -115,19 +115,21 @@ def _peer_sum_kernel(x_ptr, inbox_ptr, inbox_deltas_ptr, flags_ptr, flag_deltas_
         tl.store(x_ptr + offsets, total.to(dtype), mask=mask)
 
 
-def launch_shape(numel: int) -> tuple[int, int]:
-    """(programs, span): at most MAX_PROGRAMS programs of `span` elements each, a multiple of BLOCK."""
-    programs = max(1, min(MAX_PROGRAMS, triton.cdiv(numel, BLOCK)))
-    return programs, triton.cdiv(triton.cdiv(numel, programs), BLOCK) * BLOCK
+def launch_shape(numel: int, block: int = BLOCK) -> tuple[int, int]:
+    """(programs, span): at most MAX_PROGRAMS programs of `span` elements each, a multiple of `block`."""
+    programs = max(1, min(MAX_PROGRAMS, triton.cdiv(numel, block)))
+    return programs, triton.cdiv(triton.cdiv(numel, programs), block) * block
 
 
 def peer_sum(x: torch.Tensor, rank: int, world: int, inbox: torch.Tensor, inbox_deltas: torch.Tensor,
-             flags: torch.Tensor, flag_deltas: torch.Tensor, abort_address: int, buffer: int) -> None:
+             flags: torch.Tensor, flag_deltas: torch.Tensor, abort_address: int, buffer: int, *,
+             block: int = BLOCK, warps: int = WARPS) -> None:
     """Sum x over the ranks, in place. x contiguous; inbox: this rank's, of x's dtype, [2 * world * capacity] for
     slots of `capacity` elements; flags: this rank's, int32 [2 * programs * world]; inbox_deltas and flag_deltas:
     int64 [world] on x's device, where each rank's inbox and flags lie from this rank's, in elements (16-byte
     aligned, as torch allocates); abort_address: the host's abort word (int32, pinned); buffer 0 or 1, never the
-    same in two consecutive calls (the module's docstring says why)."""
+    same in two consecutive calls (the module's docstring says why). block, warps: elements a program moves at a
+    time (a power of two) and its warps, for tuning (benchmarks/all_reduce.py --peer-blocks)."""
     if not x.is_contiguous():
         raise ValueError("peer_sum sums a contiguous tensor in place; make it contiguous first.")
     if inbox.dtype != x.dtype:
@@ -137,7 +139,7 @@ def peer_sum(x: torch.Tensor, rank: int, world: int, inbox: torch.Tensor, inbox_
         raise ValueError(f"peer_sum's inboxes hold {capacity} elements; this tensor has {numel}.")
     if programs < MAX_PROGRAMS:
         raise ValueError(f"peer_sum's flags must hold {MAX_PROGRAMS} programs a buffer; these hold {programs}.")
-    launched, span = launch_shape(numel)
+    launched, span = launch_shape(numel, block)
     _peer_sum_kernel[(launched,)](
         x, inbox, inbox_deltas, flags, flag_deltas, abort_address, numel, span, capacity, programs,
-        BUFFER=buffer, RANK=rank, WORLD=world, BLOCK=BLOCK, num_warps=4, **pdl_arguments(x))
+        BUFFER=buffer, RANK=rank, WORLD=world, BLOCK=block, num_warps=warps, **pdl_arguments(x))

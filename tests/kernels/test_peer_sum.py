@@ -17,9 +17,11 @@ WORLD = 2
 # the seventh and eighth none: they only shake hands).
 CAPACITY = (MAX_PROGRAMS + 3) * BLOCK + 96
 PROGRAMS = MAX_PROGRAMS
-# (dtype, elements, buffer) of each call, in order: the buffers alternate, as a decode step's all-reduces do.
-CALLS = [(torch.float32, CAPACITY, 0), (torch.float32, BLOCK - 5, 1), (torch.bfloat16, CAPACITY, 0),
-         (torch.float32, CAPACITY, 1)]
+# (dtype, elements, buffer, block) of each call, in order: the buffers alternate, as a decode step's all-reduces do;
+# the last call moves twice the default block at a time (fewer, longer spans).
+CALLS = [(torch.float32, CAPACITY, 0, BLOCK), (torch.float32, BLOCK - 5, 1, BLOCK),
+         (torch.bfloat16, CAPACITY, 0, BLOCK), (torch.float32, CAPACITY, 1, BLOCK),
+         (torch.float32, CAPACITY, 0, 2 * BLOCK)]
 
 
 def part(rank: int, call: int, dtype: torch.dtype, elements: int) -> torch.Tensor:
@@ -45,20 +47,21 @@ def views(memory: dict[str, list[torch.Tensor]], rank: int, dtype: torch.dtype):
 def run_rank(rank: int, memory: dict[str, list[torch.Tensor]], results) -> None:
     """Rank `rank`'s calls (in a spawned process, or the test's own): puts (rank, [sums]) in results."""
     sums = []
-    for call, (dtype, elements, buffer) in enumerate(CALLS):
+    for call, (dtype, elements, buffer, block) in enumerate(CALLS):
         x = part(rank, call, dtype, elements)
         # Slots of CAPACITY elements of this call's dtype: bf16 fills half of each float32 slot.
         inbox, inbox_deltas, flags, flag_deltas = views(memory, rank, dtype)
         peer_sum(x, rank, WORLD, inbox[:2 * WORLD * CAPACITY], inbox_deltas, flags, flag_deltas,
-                 memory["abort"][0].data_ptr(), buffer)
+                 memory["abort"][0].data_ptr(), buffer, block=block)
         sums.append(x.float().numpy())   # by value: torch's queue would pass a file descriptor
     results.put((rank, sums))
 
 
 def test_two_ranks_hold_the_same_sum_and_every_flag_is_reset():
     """Every call leaves both ranks with part(0) + part(1) (summed in float32, rounded once), bit for bit the same
-    on both (bf16 within its rounding: see below); a tensor smaller than a program's block and one with a partial last block; bf16 between float32 calls;
-    the two buffers alternating. After the calls every flag is 0 again: the protocol resets its own handshakes."""
+    on both (bf16 within its rounding: see below): a tensor smaller than a program's block, one with a partial
+    last block and programs with nothing to move, bf16 between float32 calls, the two buffers alternating, a larger
+    block. After the calls every flag is 0 again: the protocol resets its own handshakes."""
     memory = shared_memory()
     context = torch_mp.get_context("spawn")
     results = context.Queue()
@@ -71,7 +74,7 @@ def test_two_ranks_hold_the_same_sum_and_every_flag_is_reset():
         peer.join(30)
         if peer.is_alive():
             peer.kill()
-    for call, (dtype, elements, _) in enumerate(CALLS):
+    for call, (dtype, elements, *_) in enumerate(CALLS):
         want = (part(0, call, dtype, elements).float() + part(1, call, dtype, elements).float()).to(dtype).float()
         assert torch.equal(torch.from_numpy(got[0][call]), torch.from_numpy(got[1][call])), call
         if dtype == torch.float32:
