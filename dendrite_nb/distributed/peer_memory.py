@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels.peer_sum import MAX_PROGRAMS, peer_sum
 
 CAPACITY_BYTES = 1 << 20  # an inbox slot: a 64-row step at hidden 8192 in bf16 (benchmarks/all_reduce.py)
 # The largest all-reduce the engine sends through peer memory; NCCL takes larger ones. On 2 x H100, in CUDA graphs,
@@ -72,6 +71,8 @@ class PeerSum:
         import torch.distributed._symmetric_memory as symm_mem
         from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
+        from ..kernels.peer_sum import MAX_PROGRAMS   # here: importing the kernels fixes Triton's interpreter mode
+
         name, rank, world, device = self.name, self.rank, self.world, self.device
         self.programs = MAX_PROGRAMS
         inbox_bytes = BUFFERS * world * CAPACITY_BYTES
@@ -115,6 +116,8 @@ class PeerSum:
     def sum(self, tensor: torch.Tensor, buffer: int, **launch: int) -> None:
         """Sum a contiguous CUDA tensor of at most CAPACITY_BYTES over the ranks, in place, through peer memory.
         launch: peer_sum's block and warps, for tuning."""
+        from ..kernels.peer_sum import peer_sum
+
         inbox, inbox_deltas = self._inbox(tensor.dtype)
         peer_sum(tensor, self.rank, self.world, inbox, inbox_deltas, self._flags, self._flag_deltas,
                  self._abort.data_ptr(), buffer, **launch)

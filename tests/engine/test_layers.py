@@ -1,5 +1,6 @@
 """Imports point one way: the engine never imports the notebook layer, widgets never import magics."""
 import ast
+import os
 from pathlib import Path
 
 from tests.support.imports import imported_modules as modules_imported_by
@@ -48,6 +49,22 @@ def test_importing_the_engine_loads_no_notebook_module():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('IPython', 'ipykernel', 'anywidget') "
             "or m.startswith(('dendrite_nb.magics', 'dendrite_nb.widgets'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+
+
+def test_importing_the_engine_or_the_nbval_plugin_loads_no_kernel_and_not_triton():
+    """Triton decides at a kernel's definition whether it runs in the CPU interpreter, so the kernels must load
+    only once something runs them: pytest loads the nbval plugin (and with it dendrite_nb) before the tests'
+    conftest turns the interpreter on. A module-level import of a kernel under distributed/ once broke every
+    interpreted kernel test in CI this way."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dendrite_nb, dendrite_nb.magics.nbval_plugin; "
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('dendrite_nb.kernels')))")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env=environment).stdout
     assert loaded.strip() == "[]"
 
 
