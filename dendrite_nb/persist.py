@@ -24,7 +24,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -233,11 +233,18 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def restore(engine_type: type[SessionEngine], path: str | Path, **overrides: Any) -> SessionEngine:
+def restore(engine_type: type[SessionEngine], path: str | Path, *,
+            before_build: Callable[[], None] | None = None, **overrides: Any) -> SessionEngine:
     """A new engine holding the saved session. `overrides` may move it (device, num_blocks, attention,
     cuda_graphs, debug, checkpoint: where the weights now live); dtype, kv_dtype and block_size must match.
-    Every field of the file is checked before anything is built; a failure after the engine is built closes it."""
+    Every field of the file is checked before anything is built; a failure after the engine is built closes it.
+    before_build: called once every check that check_restore makes has passed, just before the engine is built
+    (the notebook closes a tensor-parallel engine there, whose devices the new one needs), so the file is read
+    once."""
     manifest, tensors, device, used = _checked(path, overrides)
+    if before_build is not None:
+        _check_build(engine_type, manifest, overrides, device, used)
+        before_build()
     engine = _build(engine_type, manifest, overrides, device, used)
     try:
         if weights_fingerprint(engine.model) != manifest["model"]["fingerprint"]:
@@ -261,6 +268,13 @@ def check_restore(engine_type: type[SessionEngine], path: str | Path, **override
     What only building can find (the weight files' contents, the memory, the weights' fingerprint) stays
     restore's to find."""
     manifest, _, device, used = _checked(path, overrides)
+    _check_build(engine_type, manifest, overrides, device, used)
+
+
+def _check_build(engine_type: type[SessionEngine], manifest: dict[str, Any], overrides: dict[str, Any],
+                 device: torch.device, used: int) -> None:
+    """Raise what building the session's engine would raise before loading a weight (check_pretrained's or
+    check_random's checks of its arguments)."""
     options, checkpoint, weights = _build_arguments(manifest, overrides, used)
     source = manifest["source"]
     try:

@@ -96,26 +96,38 @@ class Session:
         self._subscription = engine.subscribe(self.history)
         return old
 
-    def load(self, make: Callable[[], Engine], source: str, replace: bool, tensor_parallel: int,
-             demo_options: tuple[str, int, int] | None = None) -> tuple[Engine, Engine | None]:
+    def load(self, make: Callable[..., Engine], source: str, replace: bool, tensor_parallel: int,
+             demo_options: tuple[str, int, int] | None = None, *, make_closes: bool = False
+             ) -> tuple[Engine, Engine | None]:
         """Make the session's engine with make(), whose request the caller has checked already (a bad path,
         option or degree must change nothing); returns (the new engine, the one it replaced, closed, or None).
         The loaded engine keeps working while the new one loads, so a load that fails leaves it as it was,
         except where either is tensor-parallel: the loaded one is closed first, since its workers hold devices
         the new one needs (two GPUs full of one model cannot take a second). A load that fails after that leaves
-        the session without an engine, and its error says so."""
+        the session without an engine, and its error says so. make_closes: make takes the function that closes
+        the loaded engine (None where none needs closing) and calls it once its own checks have passed (restore's
+        before_build), so it checks what it reads only once."""
         self.check_can_load(replace)
         old = self.engine
         if old is None or (tensor_parallel == 1 and old.tensor_parallel == 1):
             with user_errors():
-                engine = make()
+                engine = make(None) if make_closes else make()
             return engine, self.install(engine, source, replace, demo_options)
         closed = repr(old)
-        self.close_engine()
+        was_closed = []
+
+        def close_first() -> None:
+            self.close_engine()
+            was_closed.append(True)
+
+        if not make_closes:
+            close_first()
         try:
             with user_errors():
-                engine = make()
+                engine = make(close_first) if make_closes else make()
         except UsageError as error:
+            if not was_closed:   # refused by make's checks: the loaded engine is untouched
+                raise
             raise UsageError(f"{error} (The engine loaded before, {closed}, was closed first to free its devices, "
                              f"as --replace does where a tensor-parallel engine is involved: no model is loaded "
                              f"now.)") from None

@@ -4,7 +4,7 @@ the OpenAI HTTP API (serve), show it (status).
 Every subcommand checks all of its input before it changes anything; a refused one leaves the loaded engine as it
 was. `--tp N` splits the model over N processes (Engine.from_pretrained's and Engine.restore's tensor_parallel);
 where the loaded engine or the new one is tensor-parallel, --replace closes the loaded one before the new one loads
-(session.py), after load's and demo's checks (Engine.check_pretrained) and restore's (Engine.check_restore).
+(session.py), after load's and demo's checks (Engine.check_pretrained) and restore's (Engine.restore's before_build).
 """
 from __future__ import annotations
 
@@ -149,9 +149,11 @@ class SessionMagics(SessionBoundMagics):
         overrides = ({"device": args.device} | ({"num_blocks": args.num_blocks} if args.num_blocks is not None else {})
                      | ({"tensor_parallel": args.tp} if args.tp != 1 else {}))
         source = f"restored {args.path}"
-        with user_errors():
-            Engine.check_restore(args.path, **overrides)   # before a tensor-parallel engine is closed for it
-        engine, old = self.session.load(lambda: Engine.restore(args.path, **overrides), source, args.replace, args.tp)
+        # A tensor-parallel engine in the way is closed only once restore's checks of the file, the options and
+        # the degree have passed (before_build), so a refusal changes nothing and the file is read once.
+        engine, old = self.session.load(
+            lambda close_first: Engine.restore(args.path, before_build=close_first, **overrides), source,
+            args.replace, args.tp, make_closes=True)
         return Loaded(repr(engine), source, repr(old) if old is not None else None, ranks=ranks_line(engine))
 
     def _dendrite_autosave(self, rest: str) -> AutosaveSet:

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import numbers
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -793,16 +793,19 @@ class Engine:
         return save(self, path)
 
     @classmethod
-    def restore(cls, path: str | Path, **overrides: Any) -> Engine:
+    def restore(cls, path: str | Path, *, before_build: Callable[[], None] | None = None,
+                **overrides: Any) -> Engine:
         """A new engine with the session saved at `path`: the same model (rebuilt from its checkpoint
         folder or random-weight config and checked by fingerprint), tree, branches and KV; decoding goes on
         exactly as if nothing had stopped. Overrides: device (default: the one it was saved from),
         num_blocks, attention, cuda_graphs, debug, checkpoint (where the weights now live), tensor_parallel (the
         number of processes to split the model over: 1 unless given, whatever the saved engine's was). A corrupted
-        or mismatched file raises SaveFileError."""
+        or mismatched file raises SaveFileError. before_build: called once everything check_restore checks has
+        passed, just before the engine is built (the notebook closes a tensor-parallel engine there), so the save
+        file is read once."""
         from ..persist import restore
 
-        return restore(cls, path, **overrides)
+        return restore(cls, path, before_build=before_build, **overrides)
 
     @engine_call
     def close(self) -> None:

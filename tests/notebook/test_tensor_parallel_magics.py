@@ -101,9 +101,9 @@ def test_the_demo_at_a_degree_its_model_cannot_take_is_refused(shell, split, rea
 
 
 def test_a_restore_that_cannot_run_is_refused_before_the_engine_is_closed(shell, split, checkpoint, tmp_path):
-    """Engine.check_restore runs before a tensor-parallel engine is closed for the restore: a damaged save file,
-    and a good one at a degree its model cannot be split by, are refused and the session keeps its engine, its
-    worker running."""
+    """Restore's checks run before a tensor-parallel engine is closed for the restore (Engine.restore's
+    before_build): a damaged save file, and a good one at a degree its model cannot be split by, are refused and
+    the session keeps its engine, its worker running."""
     engine = current_engine()
     before, pid = engine_state(engine), worker_pid(engine)
     good = tmp_path / "good.dendrite"
@@ -118,13 +118,19 @@ def test_a_restore_that_cannot_run_is_refused_before_the_engine_is_closed(shell,
         assert engine_state(engine) == before and worker_pid(engine) == pid and psutil.pid_exists(pid)
 
 
-def test_a_session_restores_at_tp_2(shell, split, checkpoint, tmp_path):
+def test_a_session_restores_at_tp_2(shell, split, checkpoint, tmp_path, monkeypatch):
     """`%dendrite restore FILE --tp 2 --replace`: the saved tree on a new tensor-parallel engine (the old one's
-    worker ended first), which goes on decoding as one process would."""
+    worker ended first, once the file had passed its checks), which goes on decoding as one process would. The
+    save file is read once: a session's KV can be gigabytes."""
+    import dendrite_nb.persist as persist
+
     old_worker = psutil.Process(worker_pid(current_engine()))
     prompt = list(current_engine().branch("root").tokens)
     magic(shell, f"dendrite save {tmp_path / 's.dendrite'}")
+    reads = []
+    monkeypatch.setattr(persist, "read", lambda path, read=persist.read: reads.append(path) or read(path))
     loaded, _ = magic(shell, f"dendrite restore {tmp_path / 's.dendrite'} --tp 2 --replace")
+    assert len(reads) == 1
     engine = current_engine()
     assert not old_worker.is_running() and engine.tensor_parallel == 2
     assert f"rank 1 on cpu (pid {worker_pid(engine)})" in repr(loaded)
