@@ -9,9 +9,10 @@ other.
     host     gloo: CPU tensors a command moves (KV blocks exported or imported)
     device   the forward's all-reduces: NCCL on CUDA; on the CPU, the host group itself
 
-On GPUs, a forward's small all-reduces (a decode step of up to 16 rows at hidden 4096 in bf16: peer_memory.py)
-skip NCCL: a kernel of this package (kernels/peer_sum.py) sums them through memory every rank maps, in about a
-third of NCCL's time. The ranks agree on that when the channels are built: all use peer memory or none does.
+On GPUs, the small all-reduces of a forward that a CUDA graph captures (a decode step of up to 16 rows at hidden
+4096 in bf16: peer_memory.py) skip NCCL: a kernel of this package (kernels/peer_sum.py) sums them through memory
+every rank maps, in about a third of NCCL's time. The ranks agree on that when the channels are built: all use peer
+memory or none does.
 
 Every collective has a timeout (COLLECTIVE_TIMEOUT), so a worker that hangs becomes an error, not a hang; one that
 dies closes its connections, which fails the next collective at once. Only a worker waiting for its next command
@@ -85,7 +86,8 @@ class Channels:
         if self.device is self.host:
             return "gloo"
         if self.peer_sum is not None:
-            return f"peer memory up to {peer_memory.FASTER_THAN_NCCL_BYTES // 1024} KiB, NCCL above"
+            return (f"peer memory up to {peer_memory.FASTER_THAN_NCCL_BYTES // 1024} KiB in CUDA graphs, NCCL "
+                    f"otherwise")
         return f"NCCL (peer memory off: {self.peer_memory_off})"
 
     # ---- commands: rank 0 sends, the workers receive ---------------------------------------------

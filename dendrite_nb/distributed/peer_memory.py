@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 
 CAPACITY_BYTES = 1 << 20  # an inbox slot: a 64-row step at hidden 8192 in bf16 (benchmarks/all_reduce.py)
-# The largest all-reduce the engine sends through peer memory; NCCL takes larger ones. On 2 x H100, in CUDA graphs,
+# The largest all-reduce the engine sends through peer memory (in CUDA graphs: PeerSum.__call__); NCCL takes larger
+# ones. On 2 x H100, in CUDA graphs,
 # peer memory took 4.8 us for [1, 4096] bf16 (NCCL 17.8) and 7.6 for [16, 4096], 128 KiB (NCCL 18.3), but 39.0 for
 # [64, 4096], 512 KiB (NCCL 21.0): its few programs' loops are latency-bound there (docs/lab/tensor-parallel.md).
 # Sizes between were not measured.
@@ -106,9 +107,13 @@ class PeerSum:
         torch.cuda.synchronize(device)
 
     def __call__(self, tensor: torch.Tensor, buffer: int) -> bool:
-        """Sum `tensor` in place if peer memory does it faster than NCCL (True); else do nothing (False)."""
+        """Sum `tensor` in place if peer memory does it faster than NCCL (True); else do nothing (False): a small
+        tensor in a forward that a CUDA graph captures. Launched eagerly, the kernel's launch from Python costs
+        more than NCCL's whole all-reduce: [1, 4096] bf16 took 59.8 us against NCCL's 33.6, [16, 4096] 65.4
+        against 40.7 (2 x H100)."""
         if self._memory is None or not tensor.is_contiguous() or \
-                tensor.numel() * tensor.element_size() > FASTER_THAN_NCCL_BYTES:
+                tensor.numel() * tensor.element_size() > FASTER_THAN_NCCL_BYTES or \
+                not torch.cuda.is_current_stream_capturing():
             return False
         self.sum(tensor, buffer)
         return True
