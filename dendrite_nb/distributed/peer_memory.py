@@ -108,12 +108,14 @@ class PeerSum:
 
     def __call__(self, tensor: torch.Tensor, buffer: int) -> bool:
         """Sum `tensor` in place if peer memory does it faster than NCCL (True); else do nothing (False): a small
-        tensor in a forward that a CUDA graph captures. Launched eagerly, the kernel's launch from Python costs
-        more than NCCL's whole all-reduce: [1, 4096] bf16 took 59.8 us against NCCL's 33.6, [16, 4096] 65.4
-        against 40.7 (2 x H100)."""
+        tensor in a forward that a CUDA graph captures, or in its warm-up, which every rank runs alike and which
+        compiles the kernel before the capture. Launched eagerly, the kernel's launch from Python costs more than
+        NCCL's whole all-reduce: [1, 4096] bf16 took 59.8 us against NCCL's 33.6, [16, 4096] 65.4 against 40.7
+        (2 x H100)."""
+        from ..kernels.products import in_graph_forward
+
         if self._memory is None or not tensor.is_contiguous() or \
-                tensor.numel() * tensor.element_size() > FASTER_THAN_NCCL_BYTES or \
-                not torch.cuda.is_current_stream_capturing():
+                tensor.numel() * tensor.element_size() > FASTER_THAN_NCCL_BYTES or not in_graph_forward():
             return False
         self.sum(tensor, buffer)
         return True

@@ -65,6 +65,12 @@ def graph_products():
         _graph_depth -= 1
 
 
+def in_graph_forward() -> bool:
+    """Whether the forward running now is one that a CUDA graph captures, or its warm-up (inside
+    graph_products()): what the tensor-parallel all-reduces also go by (distributed/peer_memory.py)."""
+    return _graph_depth > 0
+
+
 def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
     """Which kernel runs x @ weight.T here: "gemv", "skinny" or "cublas" (on a GPU, "skinny" only inside
     graph_products(): an eager step sends its 2-64 rows to cuBLAS). "cublas" stands for the library's product:
