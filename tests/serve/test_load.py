@@ -14,7 +14,9 @@ SYSTEM = "You are a terse assistant. Answer in a few words."
 
 
 def question(client: int, turn: int) -> str:
-    return f"Client {client}, question {turn}: what is {client} plus {turn}?"
+    # Short (8-9 tokens, was 18): every turn prefills its question, one request at a time, which was most of the
+    # engine's time here.
+    return f"What is {client} plus {turn}?"
 
 
 async def converse(api: openai.AsyncOpenAI, client: int, log: list) -> None:
@@ -57,8 +59,9 @@ def test_32_clients_8_turns_each(demo_engine):
             alone = api.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
             assert alone.choices[0].message.content == text, messages[-1]["content"]
         ids = server.scheduler.call(lambda e: [name for name in e.branches]).result(60)
-        for response_id in ids:
-            assert httpx.delete(f"{server.url}/chat/completions/{response_id}").status_code == 200
+        with httpx.Client() as http:   # one client: each new one builds an SSL context, 16 s for the 256 deletes
+            for response_id in ids:
+                assert http.delete(f"{server.url}/chat/completions/{response_id}").status_code == 200
         def emptied(e):
             live, cached = len(e.branches), e.num_cached_blocks
             e.audit()
