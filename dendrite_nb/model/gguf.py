@@ -54,6 +54,21 @@ class GGUFCheckpoint(NamedTuple):
     num_tokens: int  # entries in the file's token list
 
 
+class _Reader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map (the same bytes, still mapped): numpy.memmap's
+    __array_finalize__ runs on every slice the reader takes, about 250,000 for a real vocabulary's metadata and
+    then every dequantizer's view of a tensor. The demo model's file: 1.4 against 4.2 s, the same fields and
+    tensors."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._data = mapped.view(np.ndarray)
+
+
 def find_gguf(path: Path) -> Path | None:
     """The GGUF file `path` names: itself, or the one `.gguf` in a folder that is not an HF checkpoint
     (config.json and safetensors weights). None for anything else (an HF folder, a folder with neither, a
@@ -91,7 +106,7 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
         raise CheckpointError(f"{str(path)!r} is not a GGUF file: it starts with {head!r}, not GGUF's magic "
                               f"bytes {GGUF_MAGIC!r}. It may be another format, or a failed download.")
     try:
-        reader = GGUFReader(path)
+        reader = _Reader(path)
     except (ValueError, KeyError, IndexError, OverflowError, TypeError) as error:
         raise CheckpointError(f"{str(path)!r} is not a readable GGUF file; it may be truncated or corrupt "
                               f"({path.stat().st_size:,} bytes; reading it failed with {type(error).__name__}: "
@@ -163,9 +178,7 @@ def read_pieces(checkpoint: GGUFCheckpoint, model: CausalLM) -> Iterator[tuple[s
             targets = plan.get(tensor.name)
             if targets is None:  # read into the config (rope_freqs)
                 continue
-            # As a plain ndarray (the same bytes): numpy.memmap's __array_finalize__ runs on every view the
-            # dequantizers take of it. The demo model's 272 tensors: 1.72 against 1.99 s, identical values.
-            values = dequantize(tensor.data.view(np.ndarray), tensor.tensor_type)  # float32 [rows, cols], torch order
+            values = dequantize(tensor.data, tensor.tensor_type)  # float32 [rows, cols], torch order
             values = processor.process(weights=values, name=tensor.name).weights
             # A plain F32 tensor comes back as a read-only view of the memory map; torch wants to own it.
             full = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
