@@ -8,7 +8,8 @@ ranks, one process each (rank 0 this one, rank 1 spawned). Rows, from one run on
                          step runs them (cuda_graphs.py);
   peer memory, eager     the engine's own one-shot kernel (kernels/peer_sum.py, distributed/peer_memory.py),
                          pushing each rank's tensor into the peer's inbox over NVLink, at every size here (the
-                         engine sends it only those up to peer_memory.FASTER_THAN_NCCL_BYTES); one at a time;
+                         engine sends it only those up to peer_memory.FASTER_THAN_NCCL_BYTES, and only where
+                         DENDRITE_PEER_MEMORY=1, which this script sets); one at a time;
   peer memory, in a graph  the same, CALLS in one graph, the two inbox buffers alternating as in a step;
   symm_mem one-shot      torch's symmetric-memory one-shot all-reduce (each GPU reads its peer's buffer over
                          NVLink: P2P loads, no multicast), captured the same way; torch.distributed's own
@@ -22,12 +23,14 @@ here; on the CPU, the copy bandwidth). On the CPU (--smoke) the group is gloo an
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 
 import torch
 
 from all_reduce_rank import CALLS, measure, seconds
 from bench_common import Column, Floors, Report, log, measure_copy_bandwidth, parser, setup as make_setup
+from dendrite_nb.distributed import peer_memory
 from dendrite_nb.distributed.channels import HOST
 from dendrite_nb.kernels.peer_sum import BLOCK, WARPS
 
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
                            help="the peer-memory kernel's launches to time, e.g. 2048x4 8192x8 (default: the "
                                 "engine's)")
     args = arguments.parse_args(argv)
+    # Peer memory is opt-in (distributed/peer_memory.py says why); this script measures it. The spawned rank
+    # inherits the environment.
+    os.environ[peer_memory.OPT_IN] = "1"
     launches = [tuple(int(part) for part in text.split("x")) for text in args.peer_launches or []] or \
         [(BLOCK, WARPS)]
     setup = make_setup(args)

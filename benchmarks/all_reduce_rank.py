@@ -80,17 +80,21 @@ def measure(rank: int, world: int, port: int, device_name: str, dtype: torch.dty
                 found[(rows, "peer memory, in a graph")] = f"off: {channels.peer_memory_off}"
             for block, warps in ([] if channels.peer_sum is None else launches):
                 peer = channels.peer_sum   # its kernel at every size, where the engine sends only small ones
+                launch = dict(block=block, warps=warps)
                 name = "peer memory" + ("" if (block, warps) == (BLOCK, WARPS) else f" ({block} x {warps} warps)")
-                found[(rows, f"{name}, eager")] = seconds(lambda: peer.sum(x, 0, block=block, warps=warps), device)
-                # the buffers alternate as a step's attention and MLP all-reduces alternate them
-                graph = graph_of(lambda: [peer.sum(x, 0, block=block, warps=warps),
-                                          peer.sum(x, 1, block=block, warps=warps)], device, CALLS // 2)
+                # the buffers alternate as a step's attention and MLP all-reduces do (peer_sum's rule)
+                found[(rows, f"{name}, eager")] = seconds(
+                    lambda: [peer.sum(x, 0, **launch), peer.sum(x, 1, **launch)], device) / 2
+                graph = graph_of(lambda: [peer.sum(x, 0, **launch), peer.sum(x, 1, **launch)], device, CALLS // 2)
                 found[(rows, f"{name}, in a graph")] = seconds(graph.replay, device) / CALLS
                 graph.reset()
-                check = torch.full((rows, hidden), float(rank + 1), device=device, dtype=dtype)
-                peer.sum(check, 0, block=block, warps=warps)
-                if not bool((check == sum(range(1, world + 1))).all()):
-                    raise RuntimeError(f"peer memory's all-reduce ({block} x {warps} warps) gave a wrong sum")
+                for buffer in (0, 1):   # every launch's sums, with each rank's own values (buffers still alternating)
+                    check = torch.arange(rows * hidden, device=device).remainder(97).to(dtype).view(rows, hidden)
+                    want = check * world + sum(range(world))
+                    check += rank
+                    peer.sum(check, buffer, **launch)
+                    if not torch.equal(check, want):
+                        raise RuntimeError(f"peer memory's all-reduce ({launch}) gave a wrong sum")
             try:
                 found[(rows, "symm_mem one-shot")] = _symm_mem_seconds(x, dist.group.WORLD.group_name)
             except (RuntimeError, AttributeError, ImportError) as error:   # a build or machine without it
