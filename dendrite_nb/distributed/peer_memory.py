@@ -23,19 +23,30 @@ import torch.distributed as dist
 
 CAPACITY_BYTES = 1 << 20  # an inbox slot: a 64-row step at hidden 8192 in bf16 (benchmarks/all_reduce.py)
 # The largest all-reduce the engine sends through peer memory (in CUDA graphs: PeerSum.__call__); NCCL takes larger
-# ones. On 2 x H100, in CUDA graphs,
-# peer memory took 4.8 us for [1, 4096] bf16 (NCCL 17.8) and 7.6 for [16, 4096], 128 KiB (NCCL 18.3), but 39.0 for
-# [64, 4096], 512 KiB (NCCL 21.0): its few programs' loops are latency-bound there (docs/lab/tensor-parallel.md).
-# Sizes between were not measured.
-FASTER_THAN_NCCL_BYTES = 128 << 10
+# ones. On 2 x H100, in CUDA graphs, per all-reduce (docs/lab/tensor-parallel.md, 2026-11-28): [1, 4096] and
+# [2, 4096] bf16 4.9 us (NCCL 14.9 and 15.7), [1, 8192] 4.8 and [2, 8192] 5.0 (NCCL 15.8); but [4, 4096], 32 KiB,
+# 27.8 (NCCL 16.0), and from there to [16, 4096] 28 to 30 us. (An earlier run gave [16, 4096] 7.6 us: when both
+# ranks arrive together, the programs' handshakes seem to run one at a time, and how often they do varies.)
+FASTER_THAN_NCCL_BYTES = 16 << 10
 BUFFERS = 2  # inbox sets that take turns (peer_sum.py)
+# Peer memory is off unless this environment variable is 1 (on every rank: the workers inherit rank 0's). Why:
+# _SymmetricMemory.set_group_info keeps the store it is given for the life of the process, with no way to remove
+# it, so the engine's TCP store kept listening on its port after close(), against the engine's promise to leave no
+# port behind (test_cycles_of_build_generate_and_close_leave_no_worker_or_port failed so on 2 x H100). A store file
+# of its own instead made the second engine of a process hang in its rendezvous (docs/lab/tensor-parallel.md).
+# What it buys: all-reduces of up to 16 KiB in CUDA graphs (1 or 2 rows) in about 5 us instead of NCCL's 15.
+OPT_IN = "DENDRITE_PEER_MEMORY"
 
 
 def unavailable_reason(devices: list[torch.device], rank: int) -> str | None:
-    """Why rank `rank` cannot use peer memory (None: it can): the ranks are not GPUs, this torch has no symmetric
-    memory, or this rank's GPU cannot reach another rank's (devices: every rank's, in rank order)."""
+    """Why rank `rank` cannot use peer memory (None: it can): not asked for (OPT_IN), the ranks are not GPUs, this
+    torch has no symmetric memory, or this rank's GPU cannot reach another rank's (devices: every rank's, in rank
+    order)."""
     if devices[rank].type != "cuda":
         return "the ranks are not GPUs"
+    if os.environ.get(OPT_IN) != "1":
+        return (f"set {OPT_IN}=1 to use it; off by default, as torch keeps the engine's store, and its port, "
+                f"open after close()")
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
         from torch._C._distributed_c10d import _SymmetricMemory
@@ -60,6 +71,7 @@ class PeerSum:
         self.rank, self.world, self.device, self.name = rank, world, device, name
         self._group = self._memory = None
         self._registered = False
+        self._last_buffer: int | None = None   # peer_sum's rule: the buffers alternate
         # Written by the host, read by the kernels' waits: pinned memory that the GPU addresses directly.
         self._abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         try:
@@ -125,9 +137,13 @@ class PeerSum:
         launch: peer_sum's block and warps, for tuning."""
         from ..kernels.peer_sum import peer_sum
 
+        if buffer == self._last_buffer:   # a peer could overwrite the inbox this rank is still summing
+            raise ValueError(f"peer memory's all-reduces must alternate their buffers; buffer {buffer} came twice "
+                             f"in a row")
         inbox, inbox_deltas = self._inbox(tensor.dtype)
         peer_sum(tensor, self.rank, self.world, inbox, inbox_deltas, self._flags, self._flag_deltas,
                  self._abort.data_ptr(), buffer, **launch)
+        self._last_buffer = buffer
 
     def _inbox(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's inbox viewed as `dtype`, and where every rank's lies from it, in elements of `dtype`."""
