@@ -14,7 +14,7 @@ products, against cuBLAS with the norms and the SwiGLU as their own kernels.
 3. With --chain-sweep MODEL, instead: each product's settings (SETTINGS) timed inside MODEL's whole chain of
    products, one product at a time, the others at their defaults.
 
-    python benchmarks/tune_skinny.py [--rows 8] [--skip-sweep] [--chain-sweep 8b]
+    python benchmarks/tune_skinny.py [--rows 8] [--skip-sweep] [--chain-sweep 8b | 8b-tp2]
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from dendrite_nb.kernels.skinny import FOLD_ROWS, default_config
 MODELS = {  # hidden, q width, q/k/v rows, intermediate, layers
     "0.6b": (1024, 2048, 4096, 3072, 28),
     "8b": (4096, 4096, 6144, 14336, 32),
+    # one rank's shard of 8B at tensor-parallel degree 2 (half the heads, KV heads and intermediate features)
+    "8b-tp2": (4096, 2048, 3072, 7168, 32),
 }
 SETTINGS = ([(block_n, block_k, 4, stages) for block_n in (16, 32, 64) for block_k in (64, 128, 256)
              for stages in (3, 4, 6)] + [(block_n, block_k, 8, 4) for block_n in (64, 128) for block_k in (64, 128)]
@@ -45,7 +47,8 @@ def shapes(model: str) -> dict[str, tuple[int, int, bool]]:
             "gate_up": (2 * intermediate, hidden, True), "down": (hidden, intermediate, False)}
 
 
-LM_HEADS = {"0.6b": (151936, 1024), "8b": (128256, 4096)}  # at a search step's rows, outside the graph
+LM_HEADS = {"0.6b": (151936, 1024), "8b": (128256, 4096),  # at a search step's rows, outside the graph
+            "8b-tp2": (128256, 4096)}   # not split: rank 0 computes the whole head
 
 
 def sweep(setup, floors, rows: int) -> dict[tuple[str, str], tuple[int, int, int, int]]:
