@@ -9,10 +9,11 @@ other.
     host     gloo: CPU tensors a command moves (KV blocks exported or imported)
     device   the forward's all-reduces: NCCL on CUDA; on the CPU, the host group itself
 
-On GPUs, the small all-reduces of a forward that a CUDA graph captures (a decode step of up to 16 rows at hidden
-4096 in bf16: peer_memory.py) skip NCCL: a kernel of this package (kernels/peer_sum.py) sums them through memory
-every rank maps, in about a third of NCCL's time. The ranks agree on that when the channels are built: all use peer
-memory or none does.
+On GPUs, with DENDRITE_PEER_MEMORY=1 (peer_memory.OPT_IN; off by default, peer_memory.py says why), the small
+all-reduces of a forward that a CUDA graph captures (up to 16 KiB: a decode step of one or two rows at hidden 4096
+in bf16) skip NCCL: a kernel of this package (kernels/peer_sum.py) sums them through memory every rank maps, in
+about a third of NCCL's time. The ranks agree on that when the channels are built: all use peer memory or none
+does.
 
 Every collective has a timeout (COLLECTIVE_TIMEOUT), so a worker that hangs becomes an error, not a hang; one that
 dies closes its connections, which fails the next collective at once. Only a worker waiting for its next command

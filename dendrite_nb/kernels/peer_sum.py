@@ -7,8 +7,9 @@ cross NVLink in nanoseconds: at that size an all-reduce is a handshake, not band
 of torch's symmetric memory and of vLLM's and TensorRT-LLM's custom all-reduces: every rank pushes its whole
 tensor into each peer's inbox (remote stores over NVLink do not wait for an answer, as remote loads do), raises a
 flag there, waits for the peers' flags in its own memory, and adds up its inbox, in rank order on every rank, so
-that all ranks hold the same sum to the bit. It took 4.8 us for that tensor, and 7.6 for [16, 4096]
-(NCCL 18.3); at [64, 4096] it lost (39.0 against 21.0: see MAX_PROGRAMS).
+that all ranks hold the same sum to the bit. It took 4.8-4.9 us for that tensor and for [2, 4096] (NCCL 15-18);
+from [4, 4096] it took 28-39 us in the runs of 2026-11-28, against NCCL's 16-21 (one run of 2026-11-27 gave
+[16, 4096] 7.6 us: see MAX_PROGRAMS), so the engine sends it only the smallest (peer_memory.py).
 
 Each rank's peer memory: an inbox [2 buffers, world senders, capacity] of the tensor's dtype and flags int32
 [2 buffers, programs, world senders]. Program p moves one span of the tensor, BLOCK elements at a time, and raises
@@ -33,9 +34,10 @@ import triton.language as tl
 from .pdl import pdl_arguments, wait_for_inputs
 
 BLOCK, WARPS = 2048, 4  # elements a program moves at a time (4 KB of bf16), and its warps
-# Programs at most. Past about eight, each program added about 4 us to an all-reduce, as if the programs' handshakes
-# over NVLink ran one at a time (why is not known): on 2 x H100, [64, 4096] bf16 in a graph took 542 us in 128
-# programs, 133 in 32, 67 in 16; [16, 4096] 131 us in 32 and 6.5 in 8 (docs/lab/tensor-parallel.md).
+# Programs at most. Past about eight, each program added about 4 us to an all-reduce (why is not known; a version
+# with a single handshake for the whole kernel scaled the same way, so it is not the per-program remote atomics):
+# on 2 x H100, [64, 4096] bf16 in a graph took 542 us in 128 programs, 133 in 32, 67 in 16; [16, 4096] 131 us in
+# 32 and 6.5 in 8 (docs/lab/tensor-parallel.md).
 MAX_PROGRAMS = 8
 ABORT_POLL = tl.constexpr(64)  # spins between two reads of the abort word (a read crosses PCIe: about a microsecond)
 
