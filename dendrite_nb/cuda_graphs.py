@@ -80,12 +80,14 @@ class _Staged:
 class ForwardGraphs:
     def __init__(self, model: torch.nn.Module, backend: CapturableBackend, kv_layers: list, device: torch.device,
                  block_size: int, sink_slot: int, tensor_group: Any = None,
-                 broadcast: Callable[[torch.Tensor], None] | None = None):
+                 broadcast: Callable[[torch.Tensor], None] | None = None,
+                 launched: Callable[[], None] | None = None):
         """tensor_group: rank 0's TensorGroup of a tensor-parallel engine (whose workers follow each launch);
-        broadcast: on every rank of one, what sends rank 0's token ids to the others (inside each graph)."""
+        broadcast: on every rank of one, what sends rank 0's token ids to the others (inside each graph);
+        launched: on every rank of one, what is told of each graph launched (Channels.graph_launched)."""
         self.model, self.backend, self.kv_layers = model, backend, kv_layers
         self.device, self.block_size, self.sink_slot = device, block_size, sink_slot
-        self.tensor_group, self.broadcast = tensor_group, broadcast
+        self.tensor_group, self.broadcast, self.launched = tensor_group, broadcast, launched
         if tensor_group is not None:
             tensor_group.before_shutdown.append(self.release)
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
@@ -141,13 +143,13 @@ class ForwardGraphs:
                 group.command("graph", (bucket, shape), packed, True, dropped)
             with in_step:
                 captured = self._capture(bucket, shape, packed, input_ids)
-                captured.graph.replay()   # the graph's output exists only once it has run
+                self._replay(captured)   # the graph's output exists only once it has run
         else:
             captured.buffer[:tokens].copy_(input_ids)  # padding tokens keep older ids: any valid id will do
             if group is not None:
                 group.command("graph", (bucket, captured.shape), staged.packed, False, [])
             with in_step:
-                captured.graph.replay()
+                self._replay(captured)
         return captured.hidden[:tokens].clone()
 
     def follow(self, key: tuple, packed: np.ndarray, capture: bool, dropped: list[tuple]) -> None:
@@ -164,7 +166,12 @@ class ForwardGraphs:
                 raise RuntimeError(f"rank 0 replays a CUDA graph this worker does not hold ({bucket} tokens)")
             self._graphs.move_to_end(key)
             self._upload(captured, packed)
+        self._replay(captured)
+
+    def _replay(self, captured: _Captured) -> None:
         captured.graph.replay()
+        if self.launched is not None:
+            self.launched()
 
     def release(self) -> None:
         """Destroy every graph now. A tensor-parallel engine's NCCL communicator cannot be aborted while a graph

@@ -12,8 +12,15 @@ other.
 On GPUs, with DENDRITE_PEER_MEMORY=1 (peer_memory.OPT_IN; off by default, peer_memory.py says why), the small
 all-reduces of a forward that a CUDA graph captures (up to 16 KiB: a decode step of one or two rows at hidden 4096
 in bf16) skip NCCL: a kernel of this package (kernels/peer_sum.py) sums them through memory every rank maps, in
-about a third of NCCL's time. The ranks agree on that when the channels are built: all use peer memory or none
-does.
+about 60% of NCCL's time (2 x H200, [1, 4096]: 4.1 against 7.1 us). The ranks agree on that when the channels are
+built: all use peer memory or none does.
+
+NCCL runs with NCCL_GRAPH_MIXING_SUPPORT=0 (unless the user set it): that halves what an all-reduce costs inside a
+CUDA graph (2 x H200, [64, 4096] bf16: 19.5 -> 10.2 us; a TP=2 8B step of 64 leaves 4.76 -> 4.38 ms, 0.88x ->
+0.82x TP=1's). NCCL then asks that no collective be launched outside a graph while a graph with this communicator's
+collectives may still run, whatever the streams (its user guide, "NCCL_GRAPH_MIXING_SUPPORT"). So every rank
+reports each graph it launches (graph_launched), and the next collective launched outside a graph first waits for
+that graph to finish.
 
 Every collective has a timeout (COLLECTIVE_TIMEOUT), so a worker that hangs becomes an error, not a hang; one that
 dies closes its connections, which fails the next collective at once. Only a worker waiting for its next command
@@ -25,7 +32,8 @@ import datetime
 import os
 import pickle
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -61,6 +69,10 @@ def _nccl(store: dist.Store, rank: int, world: int) -> Any:
     # process: rank 0 is the notebook's kernel. Clean-up only (2) aborts the communicator, and the engine's next
     # call reports the failure. Read when the group is built; a user's own setting is kept.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    # Without graph mixing support NCCL adds no ordering of its own around each collective a graph captured,
+    # which cost about 8 us an all-reduce (the module's docstring); Channels keeps the rule that makes it safe.
+    # NCCL reads it once per process, at its first communicator.
+    os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = COLLECTIVE_TIMEOUT
     return dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, world, options)
@@ -68,10 +80,14 @@ def _nccl(store: dist.Store, rank: int, world: int) -> Any:
 
 class Channels:
     """This rank's end of the three groups. Building one waits until every rank builds its own (COLLECTIVE_TIMEOUT
-    at most): call it once every rank is known to be up."""
+    at most): call it once every rank is known to be up. wait_for: how this rank waits for a CUDA event (rank 0's
+    TensorGroup.wait_for watches the workers meanwhile); by default a wait of COLLECTIVE_TIMEOUT at most."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device):
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device,
+                 wait_for: Callable[[torch.cuda.Event], None] | None = None):
         self.rank, self.world = rank, world
+        self._wait_for = wait_for or _wait_for_event
+        self._graph_done: torch.cuda.Event | None = None   # recorded after the last graph launched, until waited for
         self.control = _gloo(store, "control", rank, world)
         self.host = _gloo(store, "host", rank, world)
         self.device = _nccl(store, rank, world) if device.type == "cuda" else self.host
@@ -111,11 +127,31 @@ class Channels:
         """Sum `tensor` over the ranks, in place (the forward's partial products). buffer: 0 or 1, never the same
         in two calls in a row (the attention's all-reduces take 0, the MLP's 1), for peer memory's inboxes."""
         if self.peer_sum is None or not self.peer_sum(tensor, buffer):
+            self._after_graphs()
             self.device.allreduce([tensor]).wait()
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's `tensor` into every rank's `tensor` (same shape and dtype), over the device group."""
+        self._after_graphs()
         self.device.broadcast([tensor], _broadcast_options()).wait()
+
+    def graph_launched(self) -> None:
+        """Right after this rank launched a CUDA graph that holds collectives of the device group: the next
+        collective launched outside a graph waits for it (the module's docstring says why)."""
+        if self.device is not self.host:
+            self._graph_done = torch.cuda.Event()
+            self._graph_done.record()
+
+    @property
+    def graph_pending(self) -> bool:
+        """Whether a collective launched outside a graph now would first wait for a graph (graph_launched)."""
+        return self._graph_done is not None
+
+    def _after_graphs(self) -> None:
+        """Before an NCCL collective: outside a capture, wait for the graphs launched before it to finish."""
+        if self._graph_done is not None and not torch.cuda.is_current_stream_capturing():
+            self._wait_for(self._graph_done)
+            self._graph_done = None
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's CPU `tensor` (same shape and dtype on each), on rank 0 in rank order; None elsewhere."""
@@ -151,6 +187,16 @@ class Channels:
                 group.shutdown()
             except RuntimeError:   # a group a dead peer already broke: its connections are closed
                 pass
+
+
+def _wait_for_event(event: torch.cuda.Event) -> None:
+    """event.synchronize(), but a RuntimeError after COLLECTIVE_TIMEOUT (a graph stuck on a rank that is gone)."""
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a CUDA graph's collectives did not finish within "
+                               f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0)
 
 
 def _agree_on_peer_memory(store: dist.Store, rank: int, world: int, device: torch.device) -> str | None:

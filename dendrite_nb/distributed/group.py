@@ -84,7 +84,7 @@ class TensorGroup:
             for process in self.processes:
                 process.start()
             self._await("joined", time.monotonic() + START_TIMEOUT_S, "start")
-            self.channels = Channels(self._store, 0, world, self.rank_device(0))
+            self.channels = Channels(self._store, 0, world, self.rank_device(0), wait_for=self.wait_for)
         except BaseException:
             self.close()
             raise
@@ -195,11 +195,18 @@ class TensorGroup:
                 raise self._fail(f"a step's collectives did not finish within "
                                  f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s (a worker hangs)")
 
+    def graph_launched(self) -> None:
+        """After rank 0 launched a CUDA graph holding the collectives (Channels.graph_launched)."""
+        if self.channels is not None:
+            self.channels.graph_launched()
+
     def _collective(self, what: str, call, *args):
         if self.broken is not None:
             raise TensorParallelError(self.broken)
         try:
             return call(*args)
+        except TensorParallelError:   # wait_for's, before an NCCL collective: it has said what failed
+            raise
         except RuntimeError as error:
             raise self._fail(f"{what} with the workers failed ({_first_line(error)})") from None
 

@@ -3,8 +3,9 @@ rank's inboxes and flags in one allocation of torch's symmetric memory (torch.di
 maps every rank's allocation into every rank's address space (CUDA IPC over NVLink or PCIe peer access).
 
 torch's own one-shot all-reduce over the same memory (symm_mem.one_shot_all_reduce) took 11.7 us where NCCL took
-20.2 (docs/lab/tensor-parallel.md), but its waits have no way out: a dead peer leaves it spinning on the GPU for
-good, and with it the notebook's process. peer_sum's waits end when rank 0 sets this engine's abort word.
+20.2 (docs/lab/tensor-parallel.md; NCCL with graph mixing support, before channels.py turned it off), but its waits
+have no way out: a dead peer leaves it spinning on the GPU for good, and with it the notebook's process. peer_sum's
+waits end when rank 0 sets this engine's abort word.
 
 The group is this engine's alone: a unique name, registered with torch's symmetric memory together with a prefix of
 the engine's own store, so no default process group is made (channels.py says why). NVLink multicast is never
@@ -27,6 +28,8 @@ CAPACITY_BYTES = 1 << 20  # an inbox slot: a 64-row step at hidden 8192 in bf16 
 # [2, 4096] bf16 4.9 us (NCCL 14.9 and 15.7), [1, 8192] 4.8 and [2, 8192] 5.0 (NCCL 15.8); but [4, 4096], 32 KiB,
 # 27.8 (NCCL 16.0), and from there to [16, 4096] 28 to 30 us. (An earlier run gave [16, 4096] 7.6 us: when both
 # ranks arrive together, the programs' handshakes seem to run one at a time, and how often they do varies.)
+# Those NCCL figures had graph mixing support on; without it (channels.py), on 2 x H200: [1, 4096] 7.1 us against
+# peer memory's 4.1, [64, 4096] 10.3 against 38.3 (docs/lab/tensor-parallel.md, 2026-11-28, fifth session).
 FASTER_THAN_NCCL_BYTES = 16 << 10
 BUFFERS = 2  # inbox sets that take turns (peer_sum.py)
 # Peer memory is off unless this environment variable is 1 (on every rank: the workers inherit rank 0's). Why:
@@ -34,7 +37,7 @@ BUFFERS = 2  # inbox sets that take turns (peer_sum.py)
 # it, so the engine's TCP store kept listening on its port after close(), against the engine's promise to leave no
 # port behind (test_cycles_of_build_generate_and_close_leave_no_worker_or_port failed so on 2 x H100). A store file
 # of its own instead made the second engine of a process hang in its rendezvous (docs/lab/tensor-parallel.md).
-# What it buys: all-reduces of up to 16 KiB in CUDA graphs (1 or 2 rows) in about 5 us instead of NCCL's 15.
+# What it buys: all-reduces of up to 16 KiB in CUDA graphs (1 or 2 rows) in about 4-5 us instead of NCCL's 7.
 OPT_IN = "DENDRITE_PEER_MEMORY"
 
 

@@ -56,7 +56,8 @@ class Worker:
             self.model.use_fused_kernels(True)
         if cuda_graphs:
             self.graphs = ForwardGraphs(self.model, self.backend, self.kv_layers, self.device, block_size,
-                                        self.pool.sink_slot, broadcast=self.channels.broadcast)
+                                        self.pool.sink_slot, broadcast=self.channels.broadcast,
+                                        launched=self.channels.graph_launched)
 
     def forward(self, layout, token_ids: list[int] | None) -> None:
         if token_ids is None:   # on CUDA the ids come over the device group, from rank 0's sampler

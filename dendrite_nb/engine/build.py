@@ -111,4 +111,5 @@ def forward_graphs(wanted: bool | None, model: CausalLM, backend: AttentionBacke
     from ..cuda_graphs import ForwardGraphs
 
     return ForwardGraphs(model, backend, kv_layers, device, pool.block_size, pool.sink_slot, tensor_group,
-                         None if tensor_group is None else tensor_group.broadcast)
+                         None if tensor_group is None else tensor_group.broadcast,
+                         None if tensor_group is None else tensor_group.graph_launched)

@@ -1,9 +1,9 @@
 """Tensor parallelism over NCCL on two GPUs (skipped where fewer are present): an engine split over cuda:0 and cuda:1
 against the same engine on cuda:0 alone, in float32 on a tiny checkpoint (greedy tokens over 64 steps, logits
 within 1e-4, a fork continued, a batch of sampled branches, 32 forks decoding through CUDA graphs on both ranks
-against eager steps, graphs dropped in step, a checkpoint read onto each GPU), and in bfloat16 at a real shape
-(logits within bf16's tolerance); close() ends the workers, a killed worker is a clear error within 30 s, and a
-hung one within the collective timeout."""
+against eager steps, an eager prefill straight after graph steps, graphs dropped in step, a checkpoint read onto
+each GPU), and in bfloat16 at a real shape (logits within bf16's tolerance); close() ends the workers, a killed
+worker is a clear error within 30 s, and a hung one within the collective timeout."""
 import os
 import signal
 import time
@@ -85,6 +85,24 @@ def test_steps_replay_cuda_graphs_on_every_rank_with_the_eager_tokens(engines):
     finally:
         eager.close()
     assert run(one) == graphed
+
+
+def test_a_collective_outside_a_graph_waits_for_the_graphs_before_it(engines):
+    """NCCL runs without graph mixing support (distributed/channels.py), which asks that no collective be launched
+    outside a graph while a graph with collectives may run: decode steps replay graphs, an eager prefill (over
+    PREFILL_GRAPH_RUN_TOKENS) comes straight after them and first waits for them, and the tokens equal one GPU's."""
+    one, two = engines
+    assert os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0"
+    channels = two._tensor_group.channels
+
+    def run(engine):
+        engine.new_branch("mixed", PROMPT)
+        tokens = engine.generate(["mixed"], 8, GREEDY)[0]
+        assert engine is one or channels.graph_pending
+        engine.append("mixed", PROMPT * 12)
+        assert engine is one or not channels.graph_pending
+        return tokens + engine.generate(["mixed"], 8, GREEDY)[0]
+    assert run(two) == run(one)
 
 
 def test_graphs_rank_0_drops_are_dropped_by_the_workers(engines, monkeypatch):
