@@ -73,6 +73,10 @@ def _nccl(store: dist.Store, rank: int, world: int) -> Any:
     # which cost about 8 us an all-reduce (the module's docstring); Channels keeps the rule that makes it safe.
     # NCCL reads it once per process, at its first communicator.
     os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
+    # NCCL's RAS (its health monitor, since 2.24) starts a thread per process at the first communicator, which
+    # listens on two ports (localhost:28028, and one on the bootstrap interface) for the rest of the process's life:
+    # a notebook that closed its last engine would keep them (the 20-cycle kernel test saw it on 2 x H200).
+    os.environ.setdefault("NCCL_RAS_ENABLE", "0")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = COLLECTIVE_TIMEOUT
     return dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, world, options)

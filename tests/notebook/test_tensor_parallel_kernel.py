@@ -4,7 +4,9 @@ shared-memory segment behind (a worker gone takes its gloo groups with it); a ki
 next `%gen`, within 30 s, and a load with --replace works after it; shutting the kernel down ends the last engine's
 worker. This test process watches the kernel from outside, with psutil.
 
-DENDRITE_TP_CYCLES sets the number of cycles (default 3; issue 43 asks for 20 once: DENDRITE_TP_CYCLES=20)."""
+DENDRITE_TP_CYCLES sets the number of cycles (default 3; issue 43 asks for 20 once: DENDRITE_TP_CYCLES=20), and
+DENDRITE_TP_DEVICE the engines' device (default cpu, over gloo; cuda:0 puts rank 0 on cuda:0 and rank 1 on cuda:1,
+over NCCL)."""
 import os
 import signal
 import time
@@ -17,6 +19,9 @@ from tests.support.kernel_client import execute, running_kernel, text_of
 pytest.importorskip("jupyter_client")
 
 CYCLES = int(os.environ.get("DENDRITE_TP_CYCLES", "3"))
+DEVICE = os.environ.get("DENDRITE_TP_DEVICE", "cpu")
+# Rank r's device, as the load's ranks line names it: cuda:i + r from --device cuda:i; the CPU for every rank.
+RANK_1_DEVICE = "cpu" if DEVICE == "cpu" else f"cuda:{int(DEVICE.split(':')[1]) + 1}"
 SHM = "/dev/shm"
 PROMPT = "The river is wide and cold."
 GEN = "r = %gen root -n 6 -t 0 --ignore-eos\nprint(r.tokens[0])"
@@ -67,8 +72,9 @@ def listening(kernel: psutil.Process) -> set[tuple[str, int]]:
 
 def load_and_generate(client, checkpoint, cycle: int) -> tuple[str, list[psutil.Process]]:
     """`%dendrite load --tp 2 --replace`, a prompt and a greedy generation: (its tokens, the engine's workers)."""
-    loaded = run(client, f"%dendrite load {checkpoint} --tp 2 --num-blocks 64 --replace")
-    assert "tensor parallel: 2 ranks: rank 0 on cpu (this kernel), rank 1 on cpu (pid " in loaded, (cycle, loaded)
+    loaded = run(client, f"%dendrite load {checkpoint} --device {DEVICE} --tp 2 --num-blocks 64 --replace")
+    assert (f"tensor parallel: 2 ranks: rank 0 on {DEVICE} (this kernel), rank 1 on {RANK_1_DEVICE} (pid "
+            in loaded), (cycle, loaded)
     run(client, f"%%branch root\n{PROMPT}")
     tokens = last_line(run(client, GEN))
     return tokens, [psutil.Process(pid) for pid in worker_pids(client)]
@@ -100,7 +106,7 @@ def test_cycles_of_load_replace_and_generate_leave_nothing_behind(kernel):
             first_ports, first_shm = ports, shm
         assert ports and len(ports) == len(first_ports) and len(shm) == len(first_shm), (cycle, ports, shm)
 
-    loaded = run(client, f"%dendrite load {checkpoint} --num-blocks 64 --replace")   # one process again
+    loaded = run(client, f"%dendrite load {checkpoint} --device {DEVICE} --num-blocks 64 --replace")   # one process
     assert "tensor parallel" not in loaded and "(closed and freed the previous engine" in loaded
     assert not any(worker.is_running() for worker in ended) and not spawned_children(process)
     assert listening(process) == ports_before and shm_entries() <= shm_before
