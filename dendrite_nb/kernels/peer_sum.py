@@ -9,7 +9,9 @@ tensor into each peer's inbox (remote stores over NVLink do not wait for an answ
 flag there, waits for the peers' flags in its own memory, and adds up its inbox, in rank order on every rank, so
 that all ranks hold the same sum to the bit. It took 4.8-4.9 us for that tensor and for [2, 4096] (NCCL 15-18);
 from [4, 4096] it took 28-39 us in the runs of 2026-11-28, against NCCL's 16-21 (one run of 2026-11-27 gave
-[16, 4096] 7.6 us: see MAX_PROGRAMS), so the engine sends it only the smallest (peer_memory.py).
+[16, 4096] 7.6 us: see MAX_PROGRAMS), so the engine sends it only the smallest (peer_memory.py). Those NCCL
+figures had NCCL's graph mixing support on; the engine turns it off (distributed/channels.py), and NCCL then took
+7.1 us for [1, 4096] on 2 x H200, where this kernel took 4.1.
 
 Each rank's peer memory: an inbox [2 buffers, world senders, capacity] of the tensor's dtype and flags int32
 [2 buffers, programs, world senders]. Program p moves one span of the tensor, BLOCK elements at a time, and raises
