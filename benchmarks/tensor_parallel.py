@@ -8,7 +8,15 @@ CALLS calls after one untimed call (generate_on_copies). Rows, from one script r
   TP=N            the model split over N GPUs as a user gets it: each rank holds 1/N of the heads, the MLP
                   features and the KV, runs the fused kernels with an all-reduce after each layer's attention
                   and MLP, and replays CUDA graphs with those collectives inside, in lockstep with rank 0;
-  TP=N eager      the same without CUDA graphs: every kernel and collective launched from Python.
+  TP=N eager      the same without CUDA graphs: every kernel and collective launched from Python;
+  llama.cpp       with --llama-gguf, the peer on the same step (peers/workloads.py SteadyDecode: the same prefix,
+                  leaves, own tokens and steps; greedy; a unified KV cache whose forks share the prefix's cells),
+                  from a GGUF of the same shape written beforehand (random weights of its own, f16), in a worker
+                  process of its own: on one GPU (split none), and over every GPU it sees by layers (one GPU
+                  works at a time), by rows (every GPU on every layer) and by tensors (weights and KV split as
+                  TP; experimental in llama.cpp), each at flash attention on and off, the faster shown. Its
+                  step is a call over its llama_decode calls (steps - 1), the engine's a call over its steps
+                  (each a forward).
 Target (issue 43): at 8B, 64 leaves under 4,096 tokens, TP=2 at most 0.6x the TP=1 step. Floor: the weights read
 once per step (every one but the embedding table) + the prefix's KV once + each leaf's own KV, over the copy
 bandwidth of one GPU (TP=1) or divided among N GPUs (TP=N: each reads its 1/N share at the same rate at once; the
@@ -19,12 +27,16 @@ over --degrees GPUs searches tree_of_thought.py's tree (width 5, depth 10, 32 sa
 prompt); its wall time, per decode step, each GPU's peak memory, and the floor of its decode steps.
 
     python benchmarks/tensor_parallel.py [--shape llama-3.1-8b] [--leaves 64] [--prefix 4096] [--degrees 2]
-                                         [--steps 16] [--no-eager] [--json PATH] [--smoke]
+                                         [--steps 16] [--no-eager] [--llama-gguf PATH] [--llama-splits none layer
+                                         row tensor] [--json PATH] [--smoke]
+    (cd benchmarks && python -m peers.random_gguf --shape llama-3.1-8b --type f16 --out PATH)   # the GGUF, once
     python benchmarks/tensor_parallel.py --tree-of-thought [--shape llama-3.1-70b] [--degrees 2]
 """
 from __future__ import annotations
 
+import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -33,6 +45,10 @@ from bench_common import (Column, Report, free_memory, generate_on_copies, log, 
 from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.model.config import ModelConfig
 from dendrite_nb.testing import REAL_SHAPES
+from peers.llama_types import SPLIT_MODES, LlamaCppError, LlamaSetting
+from peers.llama_worker import LlamaWorker, RemoteSession
+from peers.quiet import Guard
+from peers.workloads import SteadyDecode, Texts
 from tree_of_thought import engine_search
 
 CALLS = 3
@@ -40,6 +56,7 @@ OWN = 16
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 TARGET = 0.6
+ON_OFF = {True: "on", False: "off"}
 
 
 def leaves_of(engine: Engine, count: int, prefix_ids: list[int], own_ids: list[list[int]]) -> list:
@@ -65,6 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
                            help="the split degrees (default 2); TP=1 always runs first, as the baseline")
     arguments.add_argument("--steps", type=int, default=None, help="steps per timed call (default 16; smoke 2)")
     arguments.add_argument("--no-eager", action="store_true", help="leave out the eager rows (minutes on a GPU)")
+    arguments.add_argument("--llama-gguf", type=Path, default=None,
+                           help="a GGUF of --shape's shape: llama.cpp's rows (the module docstring)")
+    arguments.add_argument("--llama-splits", nargs="+", choices=SPLIT_MODES, default=list(SPLIT_MODES),
+                           help="llama.cpp's placements (default all; on the CPU only none runs)")
     args = arguments.parse_args(argv)
     args.shape = args.shape or ("llama-3.1-70b" if args.tree_of_thought else "llama-3.1-8b")
     setup = make_setup(args)
@@ -111,12 +132,62 @@ def main(argv: list[str] | None = None) -> dict:
         table.add(variant=name, step_ms=seconds * 1e3, floor_ms=floor * 1e3, x_floor=seconds / floor,
                   x_tp1=seconds * 1e3 / one_gpu_ms)
         log(f"  {name}: {seconds * 1e3:.3f} ms a step (floor {floor * 1e3:.3f})")
+    if args.llama_gguf is not None:
+        context = prefix + leaves_n * (OWN + steps / 2)
+        for name, gpus, seconds in llama_cpp_steps(args, setup, report, prefix_ids, own_ids, steps):
+            floor = floors.seconds((costs.weight_bytes + costs.kv_bytes(context)) / gpus)
+            table.add(variant=name, step_ms=seconds * 1e3, floor_ms=floor * 1e3, x_floor=seconds / floor,
+                      x_tp1=seconds * 1e3 / one_gpu_ms)
+            log(f"  {name}: {seconds * 1e3:.3f} ms a step (floor {floor * 1e3:.3f})")
     for row in table.rows[1:]:
-        if row["variant"].endswith("eager"):
+        if not row["variant"].startswith("TP=") or row["variant"].endswith("eager"):
             continue
         report.note(f"{row['variant']}: {row['x_tp1']:.2f}x the TP=1 step (target <= {TARGET}x "
                     f"at 8B, 64 leaves, 4,096 tokens)")
     return report.finish(args.json)
+
+
+def llama_cpp_steps(args, setup, report: Report, prefix_ids: list[int], own_ids: list[list[int]],
+                    steps: int) -> list[tuple[str, int, float]]:
+    """(row name, GPUs it runs on, seconds a step) of llama.cpp at each of --llama-splits that runs here, the
+    faster of flash attention on and off (both in the log), the median of CALLS runs after the warm-ups; a
+    placement llama.cpp refuses is a note instead."""
+    on_gpu = setup.device.type == "cuda"
+    gpus = torch.cuda.device_count() if on_gpu else 1
+    splits = [split for split in args.llama_splits if split == "none" or (on_gpu and gpus > 1)]
+    workload = SteadyDecode(prefix_ids, own_ids, steps)
+    texts = Texts(document=prefix_ids, instructions=own_ids, chat_prompt=prefix_ids[:16], moves=[], plan_prompts=[],
+                  deep_segments=[])
+    guard = Guard(attempts=1) if on_gpu else Guard()   # a GPU machine runs nothing else: its runs are not redone
+    threads = min(8, os.cpu_count() or 1)
+    rows = []
+    for split in splits:
+        worker = LlamaWorker(args.llama_gguf.resolve(), -1 if on_gpu else 0, split)
+        name = "llama.cpp, 1 GPU" if split == "none" else f"llama.cpp, {split} split over {gpus} GPUs"
+        name = name if on_gpu else "llama.cpp, CPU"
+        found = {}
+        try:
+            for flash_attn in (True, False):
+                setting = LlamaSetting(threads, flash_attn, "f16")
+                try:
+                    session = RemoteSession(worker, "f16", setting, workload, texts)
+                except LlamaCppError as error:
+                    report.note(f"{name}, {setting.describe()}: unavailable: {error}")
+                    continue
+                try:
+                    runs = [session.run(guard, log)[0]["step"] for _ in range(CALLS)]
+                finally:
+                    session.close()
+                found[flash_attn] = statistics.median(runs)
+                log(f"  {name}, {setting.describe()}: {found[flash_attn] * 1e3:.3f} ms a step")
+        finally:
+            worker.close()
+        if found:
+            best = min(found, key=found.get)
+            each = ", ".join(f"{ON_OFF[on]} {seconds * 1e3:.3f} ms" for on, seconds in found.items())
+            report.note(f"{name}: flash attention {ON_OFF[best]} was the faster ({each})")
+            rows.append((name, 1 if split == "none" else gpus, found[best]))
+    return rows
 
 
 def tree_of_thought(args, setup) -> dict:

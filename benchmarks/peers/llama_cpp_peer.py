@@ -1,8 +1,9 @@
 """llama.cpp as a benchmark peer: a GGUF loaded through llama-cpp-python's low-level bindings, offering the
 few operations the engine offers, on sequence ids of one unified KV cache.
 
-  LlamaCppModel(path, n_gpu_layers)   the weights, loaded once (memory-mapped; n_gpu_layers -1: all on the GPU
-                                      of a CUDA build) and shared by every context
+  LlamaCppModel(path, n_gpu_layers, split)  the weights, loaded once (memory-mapped; n_gpu_layers -1: all on the
+                                      GPU of a CUDA build; split: one GPU, or every GPU by layers or by rows) and
+                                      shared by every context
   LlamaCppPeer(model, setting, ...)   one llama_context at one setting (threads, flash attention, KV type) with
                                       kv_unified on, so that a fork tags the parent's cells instead of copying
                                       them, and n_seq_max sequence ids handed out from a free list
@@ -33,7 +34,7 @@ import llama_cpp._logger
 import numpy as np
 from llama_cpp import llama_cpp as lib
 
-from .llama_types import KV_TYPE_NAMES, LlamaCppError, LlamaSetting
+from .llama_types import KV_TYPE_NAMES, SPLIT_MODES, LlamaCppError, LlamaSetting
 
 KV_TYPES = {name: getattr(lib, f"GGML_TYPE_{name.upper()}") for name in KV_TYPE_NAMES}
 DEFAULT_BATCH_TOKENS = 512  # n_batch = n_ubatch: tokens per llama_decode call (a longer feed is split)
@@ -69,15 +70,19 @@ class LlamaCppModel:
     """A GGUF's weights in llama.cpp (memory-mapped, on the GPU where n_gpu_layers says), shared by every LlamaCppPeer
     made from it."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0):
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, split: str = "none"):
         self._model = None   # close() (and __del__) run even where the load below fails
+        if split not in SPLIT_MODES:
+            raise ValueError(f"split {split!r} is not one of {list(SPLIT_MODES)}.")
         _init_backend()
         self.path = Path(path).resolve()   # absolute: a worker process may run in another folder
         if not self.path.is_file():
             raise LlamaCppError(f"no GGUF file at {str(self.path)!r}; pass the path of a .gguf file.")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        self.n_gpu_layers = n_gpu_layers
+        # Split over every GPU llama.cpp sees, in proportion to their free memory (tensor_split left unset).
+        params.split_mode = getattr(lib, f"LLAMA_SPLIT_MODE_{split.upper()}")
+        self.n_gpu_layers, self.split = n_gpu_layers, split
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {str(self.path)!r} (set LLAMA_CPP_VERBOSE=1 to see why).")

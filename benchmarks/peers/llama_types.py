@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_TYPE_NAMES = ("f32", "f16", "q8_0")  # llama_cpp_peer.KV_TYPES maps each to its ggml type
+# How llama.cpp spreads a model over the GPUs it sees (llama_split_mode): "none" keeps it on one GPU, "layer" gives
+# each GPU a run of whole layers (one GPU works at a time), "row" splits each weight matrix's rows over them (every
+# GPU works on every layer), "tensor" splits the weights and the KV as tensor parallelism does (experimental in
+# llama.cpp; it needs flash attention).
+SPLIT_MODES = ("none", "layer", "row", "tensor")
 
 
 class LlamaCppError(RuntimeError):

@@ -6,8 +6,9 @@ torch ran the same build, file and calls (the cause was not found: llama.cpp's l
 runs the engine never loads llama.cpp: it asks this worker, one request at a time, over pickles on the worker's
 stdin and stdout.
 
-  LlamaWorker(gguf, n_gpu_layers)   the parent's end; starts `python -m peers.llama_worker` (from benchmarks/) on
-                                    its first request and again after the worker has died
+  LlamaWorker(gguf, n_gpu_layers, split)  the parent's end; starts `python -m peers.llama_worker` (from
+                                    benchmarks/) on its first request and again after the worker has died; split:
+                                    how the model spreads over the GPUs (llama_types.SPLIT_MODES)
     .info()                         llama.cpp's sequence-id limit and version
     .sanity(setting, prompt, n)     the logits after `prompt` (None with backend sampling) and n greedy tokens
   RemoteSession(worker, ...)        sweep.Session's counterpart (open, run, close) for a llama.cpp variant: the
@@ -35,8 +36,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
 
 
 class LlamaWorker:
-    def __init__(self, gguf: str | Path, n_gpu_layers: int):
-        self.gguf, self.n_gpu_layers = Path(gguf), n_gpu_layers
+    def __init__(self, gguf: str | Path, n_gpu_layers: int, split: str = "none"):
+        self.gguf, self.n_gpu_layers, self.split = Path(gguf), n_gpu_layers, split
         self.generation = 0  # workers started so far: a session belongs to the one that opened it
         self._process: subprocess.Popen | None = None
         self._keys = itertools.count()
@@ -63,8 +64,8 @@ class LlamaWorker:
     def _start(self) -> None:
         self.generation += 1
         self._process = subprocess.Popen([sys.executable, "-m", "peers.llama_worker", str(self.gguf),
-                                          str(self.n_gpu_layers)], cwd=BENCHMARKS, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE)
+                                          str(self.n_gpu_layers), self.split], cwd=BENCHMARKS,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def alive(self, generation: int) -> bool:
         return self.generation == generation and self._process is not None and self._process.poll() is None
@@ -104,10 +105,10 @@ class RemoteSession:
 
 # ---- the worker's side ------------------------------------------------------------------------------
 class _Worker:
-    def __init__(self, gguf: Path, n_gpu_layers: int):
+    def __init__(self, gguf: Path, n_gpu_layers: int, split: str):
         from .llama_cpp_peer import LlamaCppModel
 
-        self.model = LlamaCppModel(gguf, n_gpu_layers)
+        self.model = LlamaCppModel(gguf, n_gpu_layers, split)
         self.sessions: dict[int, tuple[Any, Any, Any]] = {}
 
     def info(self) -> dict[str, Any]:
@@ -153,12 +154,12 @@ class _Worker:
         system.close()
 
 
-def serve(gguf: Path, n_gpu_layers: int) -> None:
+def serve(gguf: Path, n_gpu_layers: int, split: str = "none") -> None:
     faulthandler.enable()   # a crash inside llama.cpp still says which request it was (on stderr)
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)   # whatever else prints (Python or llama.cpp's C code) goes to stderr: stdout carries replies only
     requests = sys.stdin.buffer
-    worker = _Worker(gguf, n_gpu_layers)
+    worker = _Worker(gguf, n_gpu_layers, split)
     while True:
         try:
             kind, *args = pickle.load(requests)
@@ -173,4 +174,4 @@ def serve(gguf: Path, n_gpu_layers: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(Path(sys.argv[1]), int(sys.argv[2]))
+    serve(Path(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4])

@@ -311,6 +311,43 @@ class BestOfN(Workload):
         return figures, flat(outputs)
 
 
+class SteadyDecode(Workload):
+    """benchmarks/tensor_parallel.py's step for llama.cpp: `leaves` forks of a `prefix`-token root, each extended by
+    its own tokens, prefilled once (prepare); a run forks one copy of each leaf, times generate(copies, steps) and
+    prunes the copies, so every run decodes from the same contexts (bench_common.generate_on_copies does the same
+    to the engine). Its figure is seconds per decode: the call over its steps - 1 llama_decode calls (the first
+    token comes from the logits of the leaf's prefill, and the last is left unfed: llama_cpp_peer.py). The engine's
+    figure is its call over `steps`, as each of its steps runs a forward."""
+
+    def __init__(self, prefix: list[int], own: list[list[int]], steps: int):
+        if steps < 2:
+            raise ValueError(f"steps must be at least 2 (a decode of each row needs a token to feed), got {steps}.")
+        self.prefix, self.own, self.steps = prefix, own, steps
+        self.name = f"decode step, {len(own)} leaves under {len(prefix):,} tokens"
+        context = len(prefix) + len(own[0]) + steps // 2
+        self.metrics = [Metric("step", "a decode step", [Forward(len(own), 1, context)])]
+
+    def cells(self) -> int:
+        return cells_for(len(self.prefix) + sum(len(ids) for ids in self.own) + len(self.own) * self.steps)
+
+    def sequences(self) -> int:
+        return 1 + 2 * len(self.own)
+
+    def prepare(self, system):
+        root = system.root(self.prefix)
+        leaves = system.fork(root, len(self.own))
+        system.extend(list(zip(leaves, self.own)))
+        return leaves
+
+    def run(self, system, leaves):
+        copies = [system.fork(leaf, 1)[0] for leaf in leaves]
+        started = Clock.now()
+        outputs = system.generate(copies, self.steps)
+        figures = started.figures("step", per=self.steps - 1)
+        system.prune(copies)
+        return figures, flat(outputs)
+
+
 # ---- MCTS -------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Node:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,16 +15,9 @@ from gguf.quants import dequantize
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 PROMPT = "Rivers carve their valleys slowly, one grain at a time. The oldest"
 
-
-@pytest.fixture(scope="module", autouse=True)
-def benchmarks_on_path():
-    """The script imports bench_common and peers from beside it, as `python benchmarks/llama_cpp_cpu.py` does."""
-    sys.path.insert(0, str(BENCHMARKS))
-    yield
-    sys.path.remove(str(BENCHMARKS))
+pytestmark = pytest.mark.usefixtures("benchmarks_on_path")
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def benchmarks_on_path():
-    """The script imports bench_common and peers from beside it, as `python benchmarks/llama_cpp_gpu.py` does."""
-    sys.path.insert(0, str(BENCHMARKS))
-    yield
-    sys.path.remove(str(BENCHMARKS))
+pytestmark = pytest.mark.usefixtures("benchmarks_on_path")
 
 
 def tiny_model(shape: str):
