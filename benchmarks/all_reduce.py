@@ -6,6 +6,8 @@ ranks, one process each (rank 0 this one, rank 1 spawned). Rows, from one run on
   NCCL, eager            the engine's NCCL group (distributed/channels.py), one all-reduce launched at a time;
   NCCL, in a graph       CALLS all-reduces captured in one CUDA graph and replayed, as a tensor-parallel decode
                          step runs them (cuda_graphs.py);
+  NCCL window, in a graph  the same on a buffer of NCCL's own memory registered as a symmetric window, where NCCL
+                         (2.27 on) runs its symmetric kernels; "+ copy in": each preceded by a copy into it;
   peer memory, eager     the engine's own one-shot kernel (kernels/peer_sum.py, distributed/peer_memory.py),
                          pushing each rank's tensor into the peer's inbox over NVLink, at every size here (the
                          engine sends it only those up to peer_memory.FASTER_THAN_NCCL_BYTES, and only where

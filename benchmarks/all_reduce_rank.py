@@ -53,6 +53,34 @@ def _symm_mem_seconds(x: torch.Tensor, group_name: str) -> float:
     return seconds(graph.replay, x.device) / CALLS
 
 
+def _nccl_window_seconds(group, x: torch.Tensor, rank: int, world: int) -> dict[str, float]:
+    """NCCL's all-reduce on a buffer of NCCL's own memory (ncclMemAlloc) registered as a symmetric window
+    (ncclCommWindowRegister, NCCL_WIN_COLL_SYMMETRIC), where NCCL 2.27 and later run their symmetric kernels; per
+    all-reduce in a graph, in place on the buffer and after a copy into it (what the engine would add to a step).
+    Registering is collective: every rank calls this at the same point."""
+    pool = torch.cuda.MemPool(group.mem_allocator)
+    with torch.cuda.use_mem_pool(pool):
+        window = torch.empty_like(x)
+    group.register_mem_pool(pool, symm=True)
+    try:
+        window.fill_(rank + 1)
+        group.allreduce([window]).wait()
+        if not torch.equal(window, torch.full_like(window, world * (world + 1) // 2)):
+            raise RuntimeError("NCCL's all-reduce on a symmetric window gave a wrong sum")
+        found = {}
+        graph = graph_of(lambda: group.allreduce([window]).wait(), x.device)
+        found["NCCL window, in a graph"] = seconds(graph.replay, x.device) / CALLS
+        graph.reset()
+        graph = graph_of(lambda: (window.copy_(x), group.allreduce([window]).wait()), x.device)
+        found["NCCL window + copy in, in a graph"] = seconds(graph.replay, x.device) / CALLS
+        graph.reset()
+        return found
+    finally:
+        torch.cuda.synchronize(x.device)
+        group.deregister_mem_pool(pool)
+        del window
+
+
 def measure(rank: int, world: int, port: int, device_name: str, dtype: torch.dtype, shapes: list[tuple[int, int]],
             results, launches: list[tuple[int, int]] = ((BLOCK, WARPS),)) -> None:
     """Rank `rank`'s side of every measurement; rank 0 puts {(rows, variant): seconds or the reason} in results.
@@ -76,6 +104,11 @@ def measure(rank: int, world: int, port: int, device_name: str, dtype: torch.dty
             graph = graph_of(lambda: channels.device.allreduce([x]).wait(), device)
             found[(rows, "NCCL, in a graph")] = seconds(graph.replay, device) / CALLS
             graph.reset()
+            try:
+                for variant, value in _nccl_window_seconds(channels.device, x, rank, world).items():
+                    found[(rows, variant)] = value
+            except (RuntimeError, AttributeError, TypeError) as error:   # a torch or NCCL without windows
+                found[(rows, "NCCL window, in a graph")] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
             if channels.peer_sum is None:
                 found[(rows, "peer memory, in a graph")] = f"off: {channels.peer_memory_off}"
             for block, warps in ([] if channels.peer_sum is None else launches):
