@@ -157,6 +157,15 @@ class Channels:
             self._wait_for(self._graph_done)
             self._graph_done = None
 
+    def max_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of every rank's `tensor` (same shape and dtype), over the host group, on
+        `tensor`'s device: a load's few vectors (distributed/shard.quantize_shard), not a step's."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        on_host = tensor.detach().to("cpu", copy=True)
+        self.host.allreduce([on_host], options).wait()
+        return on_host.to(tensor.device)
+
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's CPU `tensor` (same shape and dtype on each), on rank 0 in rank order; None elsewhere."""
         options = dist.GatherOptions()

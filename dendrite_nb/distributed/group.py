@@ -171,6 +171,10 @@ class TensorGroup:
         """Rank 0's `tensor` (on its device) into the workers' tensors of its shape: a forward's token ids."""
         self._collective("a broadcast", self.channels.broadcast, tensor)
 
+    def max_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Channels.max_over_ranks with the workers: a quantized load's scales (distributed/shard.quantize_shard)."""
+        return self._collective("a maximum over the ranks", self.channels.max_over_ranks, tensor)
+
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return self._collective("a gather", self.channels.gather, tensor)
 

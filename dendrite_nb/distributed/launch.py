@@ -18,19 +18,13 @@ from ..engine.build import graphs_unavailable_reason
 from ..errors import TensorParallelError
 from ..model.transformer import CausalLM
 from .group import TensorGroup
-from .shard import check_degree, connect
+from .shard import check_degree, check_int4_split, connect, quantize_shard
 from .spec import ModelSpec
 
-# What an engine offers that tensor_parallel > 1 does not run yet: a clear error rather than a wrong result.
-UNSUPPORTED = "is not supported at tensor_parallel > 1 yet"
 
-
-def check_request(spec: ModelSpec, world: int, settings: EngineConfig, weights: str | None) -> None:
+def check_request(spec: ModelSpec, world: int, settings: EngineConfig) -> None:
     """TensorParallelError (or the checkpoint's or the backend's own error) for a request that cannot run; starts
-    nothing."""
-    if weights is not None:
-        raise TensorParallelError(f"weights={weights!r} {UNSUPPORTED}; load with weights=None (the file's "
-                                  f"precision), or at tensor_parallel=1.")
+    nothing. spec.weights must have passed quantized_linear.check_weights for the device."""
     device = settings.device
     if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
         raise TensorParallelError(f"tensor_parallel={world} from {device} needs GPUs cuda:{device.index or 0} to "
@@ -38,6 +32,8 @@ def check_request(spec: ModelSpec, world: int, settings: EngineConfig, weights: 
                                   f"{torch.cuda.device_count()}.")
     config = spec.config()
     check_degree(world, config)
+    if spec.weights == "int4":
+        check_int4_split(config, world)
     kv_dtype = spec.dtype if settings.kv_dtype is None else parse_dtype(settings.kv_dtype, KV_DTYPES, "kv_dtype")
     backend = make_backend(settings.attention, device, spec.dtype, config.head_dim, kv_dtype)   # the engine's, later
     reason = graphs_unavailable_reason(device, backend)
@@ -51,6 +47,8 @@ def start(spec: ModelSpec, world: int, device: torch.device) -> tuple[CausalLM, 
     try:
         model, tokenizer, origin, checksum, model.whole_fingerprint = spec.build_shard(0, world, group.rank_device(0))
         group.check_weights(checksum)
+        if spec.weights is not None:   # with the workers, product by product (their scales agree)
+            quantize_shard(model, spec.weights, group.max_over_ranks)
         connect(model, 0, world, group.all_reduce)
     except BaseException:
         group.close()

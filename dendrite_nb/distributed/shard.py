@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import TensorParallelError
 from ..model.config import ModelConfig
+from ..model.quantized_linear import quantize_model
 from ..model.transformer import CausalLM
 
 
@@ -123,6 +124,40 @@ def connect(model: CausalLM, rank: int, world: int, all_reduce: Callable[..., No
         layer.self_attn.all_reduce = functools.partial(all_reduce, buffer=0)
         layer.mlp.all_reduce = functools.partial(all_reduce, buffer=1)
     model.tensor_parallel = (rank, world)
+
+
+def quantize_shard(model: CausalLM, weights: str, max_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Quantize rank's shard as the whole model's quantization would be cut (model/quantized_linear.py): a
+    product split by input columns (o_proj, down_proj) scales each output channel by the whole weight's largest
+    magnitude, the maximum over the ranks' parts (max_over_ranks: a collective, so every rank calls this at the
+    same point, with products in the same order); one split by output rows holds whole channels already. int4's
+    groups of 32 inputs fall inside a rank's columns (check_int4_split)."""
+    def absmax_of(name: str, absmax: torch.Tensor) -> torch.Tensor:
+        return max_over_ranks(absmax) if name.rsplit(".", 1)[-1] in _COLUMN_SPLIT else absmax
+    quantize_model(model, weights, absmax_of)
+
+
+def check_int4_split(config: ModelConfig, world: int) -> None:
+    """TensorParallelError unless each rank's part of every product takes int4 exactly when the whole product
+    does (int4_fits: whole groups of 32 inputs, outputs in 16s), so the shards quantize as the whole model."""
+    from ..model.quantized_linear import INT4_OUTPUT_MULTIPLE
+    from ..model.quantize import INT4_GROUP
+
+    hidden, attention = config.hidden_size, config.num_heads * config.head_dim
+    kv, features = config.num_kv_heads * config.head_dim, config.intermediate_size
+    products = {"q_proj": (attention, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+                "o_proj": (hidden, attention), "gate_proj": (features, hidden), "up_proj": (features, hidden),
+                "down_proj": (hidden, features)}
+
+    def fits(out_features: int, in_features: int) -> bool:
+        return in_features % INT4_GROUP == 0 and out_features % INT4_OUTPUT_MULTIPLE == 0
+    for name, (out_features, in_features) in products.items():
+        part = ((out_features // world, in_features) if name in _ROW_SPLIT else (out_features, in_features // world))
+        if fits(out_features, in_features) != fits(*part):
+            raise TensorParallelError(
+                f"weights='int4' at tensor_parallel={world}: each rank's part of {name} is {part[0]} x {part[1]}, "
+                f"which int4 cannot take (groups of {INT4_GROUP} inputs, outputs in {INT4_OUTPUT_MULTIPLE}s) though "
+                f"the whole {out_features} x {in_features} can; use weights='int8', or another degree.")
 
 
 def shard_model(model: CausalLM, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None]) -> None:

@@ -17,6 +17,7 @@ class ModelSpec(NamedTuple):
     hf_config: dict[str, Any] | None  # the config of random weights (Engine.from_random)
     weight_seed: int  # of random weights
     dtype: torch.dtype
+    weights: str | None = None  # a quantized format (model/quantized_linear.py), applied to each shard after it
 
     def config(self) -> ModelConfig:
         """The model's shape, read without loading a weight (what a bad tensor_parallel is checked against)."""

@@ -31,7 +31,7 @@ from ..attention import make_backend
 from ..cuda_graphs import ForwardGraphs
 from ..kv import KVPool
 from .channels import COLLECTIVE_TIMEOUT, Channels
-from .shard import connect, local_heads
+from .shard import connect, local_heads, quantize_shard
 from .spec import ModelSpec
 
 
@@ -126,6 +126,8 @@ def serve(rank: int, world: int, host: str, port: int, spec: ModelSpec, device_n
         channels = Channels(store, rank, world, device)
         model, _, _, checksum, _ = spec.build_shard(rank, world, device, tokenizer=False)
         store.set(f"checksum/{rank}", pickle.dumps(checksum))
+        if spec.weights is not None:   # with rank 0 and the other workers, product by product
+            quantize_shard(model, spec.weights, channels.max_over_ranks)
         connect(model, rank, world, channels.all_reduce)
         with torch.inference_mode():
             Worker(channels, model, device).run(store, rank)

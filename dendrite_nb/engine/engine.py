@@ -143,12 +143,13 @@ class Engine:
         CPU, gloo processes) the model is split over by heads and MLP features (dendrite_nb/distributed/). Rank 0
         is this process and keeps the tree, scheduling and sampling; the others are spawned workers, ended by
         close(). On CUDA every rank runs the fused kernels and replays the same CUDA graphs, each with the step's
-        collectives inside. At tensor_parallel > 1, weights= is not supported yet (a clear error).
+        collectives inside. Quantized weights= split too: each rank quantizes its part as the whole model's
+        quantization would be cut (distributed/shard.py quantize_shard).
         """
         settings = cls._settings_before_loading(device, options, weights)
         if check_degree(tensor_parallel) > 1:
-            spec = ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype))
-            engine, origin = cls._sharded(spec, tensor_parallel, settings, weights, options)
+            spec = ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype), weights)
+            engine, origin = cls._sharded(spec, tensor_parallel, settings, options)
         else:
             model, tokenizer, origin = build.load_checkpoint(path, settings.device, parse_dtype(dtype), weights)
             engine = cls(model, tokenizer, device=settings.device, **options)
@@ -163,8 +164,8 @@ class Engine:
         tensor_parallel: as from_pretrained's (each rank draws its share of the random model from weight_seed)."""
         settings = cls._settings_before_loading(device, options, weights)
         if check_degree(tensor_parallel) > 1:
-            spec = ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype))
-            engine = cls._sharded(spec, tensor_parallel, settings, weights, options)[0]
+            spec = ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype), weights)
+            engine = cls._sharded(spec, tensor_parallel, settings, options)[0]
         else:
             model = build.random_weights(hf_config, settings.device, parse_dtype(dtype), weight_seed, weights)
             engine = cls(model, None, device=settings.device, **options)
@@ -173,10 +174,10 @@ class Engine:
         return engine
 
     @classmethod
-    def _sharded(cls, spec: ModelSpec, world: int, settings: EngineConfig, weights: str | None,
+    def _sharded(cls, spec: ModelSpec, world: int, settings: EngineConfig,
                  options: dict[str, Any]) -> tuple[Engine, Path | None]:
         """A tensor-parallel engine and where its weights came from; a request that cannot run starts nothing."""
-        launch.check_request(spec, world, settings, weights)
+        launch.check_request(spec, world, settings)
         model, tokenizer, origin, group = launch.start(spec, world, settings.device)
         try:
             return cls(model, tokenizer, tensor_group=group, **{**options, "device": group.rank_device(0)}), origin
@@ -215,7 +216,7 @@ class Engine:
         tensor_parallel > 1 a degree the model cannot be split by. Loads and starts nothing: a caller checks
         before giving something up for the load (the notebook closes its tensor-parallel engine first, whose
         workers hold the GPUs the new one needs). The weight files and the memory only the load can check."""
-        cls._check_spec(ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype)), device, weights,
+        cls._check_spec(ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype), weights), device,
                         tensor_parallel, options)
 
     @classmethod
@@ -224,7 +225,7 @@ class Engine:
                      **options: Any) -> None:
         """Raise what from_random(the same arguments) would raise before drawing a weight (check_pretrained's
         checks, the config's own). Builds and starts nothing."""
-        cls._check_spec(ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype)), device, weights,
+        cls._check_spec(ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype), weights), device,
                         tensor_parallel, options)
 
     @classmethod
@@ -238,11 +239,10 @@ class Engine:
         check_restore(cls, path, **overrides)
 
     @classmethod
-    def _check_spec(cls, spec: ModelSpec, device: Any, weights: str | None, tensor_parallel: int,
-                    options: dict[str, Any]) -> None:
-        settings = cls._settings_before_loading(device, options, weights)
+    def _check_spec(cls, spec: ModelSpec, device: Any, tensor_parallel: int, options: dict[str, Any]) -> None:
+        settings = cls._settings_before_loading(device, options, spec.weights)
         if check_degree(tensor_parallel) > 1:
-            launch.check_request(spec, tensor_parallel, settings, weights)
+            launch.check_request(spec, tensor_parallel, settings)
         else:
             spec.config()
 

@@ -23,10 +23,17 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 _TINY_SCALE = torch.finfo(torch.float32).tiny
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (q int8 [N, K], scale float32 [N])."""
+def channel_absmax(weight: torch.Tensor) -> torch.Tensor:
+    """float32 [N]: each output channel's largest magnitude, what int8's and fp8's scales come from."""
+    return weight.float().abs().amax(dim=1)
+
+
+def quantize_int8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q int8 [N, K], scale float32 [N]). absmax: the channels' largest magnitudes to scale by
+    instead of this weight's own (a tensor-parallel rank's part of a weight split by inputs takes the whole
+    weight's, so its integers equal those of the whole weight's quantization)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY_SCALE)
+    scale = ((channel_absmax(w) if absmax is None else absmax) / INT8_MAX).clamp_min(_TINY_SCALE)
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
@@ -57,10 +64,10 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dt
     return w.reshape(out_features, in_features).to(dtype)
 
 
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (w8 float8_e4m3fn [N, K], scale float32 [N])."""
+def quantize_fp8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (w8 float8_e4m3fn [N, K], scale float32 [N]). absmax: as quantize_int8's."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY_SCALE)
+    scale = ((channel_absmax(w) if absmax is None else absmax) / FP8_MAX).clamp_min(_TINY_SCALE)
     return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

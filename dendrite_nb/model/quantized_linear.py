@@ -18,6 +18,8 @@ Other pairs raise UnsupportedWeights before anything loads (check_weights).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -65,12 +67,14 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, format: str) -> QuantizedLinear:
+    def from_linear(cls, linear: nn.Linear, format: str, absmax: torch.Tensor | None = None) -> QuantizedLinear:
+        """absmax: int8's and fp8's per-channel magnitudes to scale by (quantize.quantize_int8); int4's groups
+        take their own."""
         weight = linear.weight.detach()
         layer = cls(format, linear.in_features, linear.out_features, linear.bias)
         layer.dtype = weight.dtype  # the activations' dtype, which products return
         if format == "int8":
-            q, scale = quantize.quantize_int8(weight)
+            q, scale = quantize.quantize_int8(weight, absmax)
             layer.register_buffer("qweight", q)
             layer.register_buffer("scale", scale)
         elif format == "int4":
@@ -83,7 +87,7 @@ class QuantizedLinear(nn.Module):
                 layer.register_buffer("scale_and_zero", torch.stack([scale.t(), zero.t()], dim=2)
                                       .to(_CPU_COMPUTE_DTYPE).contiguous())
         elif format == "fp8":
-            w8, scale = quantize.quantize_fp8(weight)
+            w8, scale = quantize.quantize_fp8(weight, absmax)
             layer.register_buffer("qweight", w8)
             layer.register_buffer("scale", scale)
         else:
@@ -150,7 +154,8 @@ def int4_fits(linear: nn.Linear) -> bool:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, format: str) -> None:
+def quantize_model(model: nn.Module, format: str,
+                   absmax_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Replace every nn.Linear of `model` by a QuantizedLinear of `format`, in place, one at a time (so memory
     holds at most one float weight beside the quantized model). A tied LM head gets its own quantized copy;
     the embedding keeps the float table.
@@ -158,7 +163,10 @@ def quantize_model(model: nn.Module, format: str) -> None:
     For int4, a weight that a GGUF file stored quantized above 4 bits (model.stored_above_4_bits, set by
     model/gguf.py: Q8_0, Q6_K, ...) becomes int8 instead: 4 bits would add the error its file chose to avoid
     (SmolLM2's Q8_0 LM head in int4: 9% relative error in its products, in int8 1.2%). So does a weight whose
-    shape the int4 kernel cannot take (int4_fits)."""
+    shape the int4 kernel cannot take (int4_fits).
+
+    absmax_of(name, absmax): for each int8 or fp8 product in turn (name: its qualified name, absmax: its weight's
+    channel_absmax), the magnitudes to scale it by (a tensor-parallel rank's: distributed/shard.quantize_shard)."""
     for module in model.modules():  # stacked float weights of an earlier use_fused_kernels: stacked again
         for name in FUSED_BUFFERS:
             if hasattr(module, name):
@@ -169,5 +177,8 @@ def quantize_model(model: nn.Module, format: str) -> None:
         linear = getattr(owner, name)
         stored_as = "model.embed_tokens.weight" if linear.weight is embedding else f"{qualified}.weight"  # tied
         chosen = "int8" if format == "int4" and (stored_as in keep_8_bits or not int4_fits(linear)) else format
-        setattr(owner, name, QuantizedLinear.from_linear(linear, chosen))
+        absmax = None
+        if absmax_of is not None and chosen in ("int8", "fp8"):
+            absmax = absmax_of(qualified, quantize.channel_absmax(linear.weight.detach()))
+        setattr(owner, name, QuantizedLinear.from_linear(linear, chosen, absmax))
     model.weights_format = format

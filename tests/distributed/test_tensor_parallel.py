@@ -20,6 +20,9 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=50)
 SHAPE = "llama-gqa-untied"   # 4 heads and 2 KV heads: two ranks of 2 and 1
 CONFIG = TINY_SHAPES[SHAPE].hf_config(vocab_size=256)
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84]   # 19 tokens: a partial block
+# The CPU's quantized products compute in bf16 (model/quantized_linear.py): two ranks' partial sums round where
+# one process rounds the whole sum once.
+QUANTIZED_ATOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -166,12 +169,48 @@ def test_an_fp8_cache_matches_one_process():
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_split_as_the_whole_models_quantization(weights):
+    """Each rank quantizes its part as the whole model's quantization would be cut: rank 0's o_proj (split by
+    input columns) holds the whole o_proj's integers and scales for its columns, its int8 scales being the maximum
+    over the ranks' parts; and the split engine's logits and greedy tokens follow one process's."""
+    engines = [Engine.from_random(CONFIG, num_blocks=16, weights=weights, tensor_parallel=degree) for degree in (1, 2)]
+    try:
+        one, two = engines
+        whole, part = (engine.model.model.layers[0].self_attn.o_proj for engine in engines)
+        columns = whole.in_features // 2
+        if weights == "int8":
+            assert torch.equal(part.scale, whole.scale)
+            assert torch.equal(part.qweight, whole.qweight[:, :columns])
+        else:   # two int4 inputs a byte; one scale and zero per group of 32 inputs
+            assert torch.equal(part.qweight, whole.qweight[:, :columns // 2])
+            assert torch.equal(part.scale, whole.scale[:, :columns // 32])
+            assert torch.equal(part.zero, whole.zero[:, :columns // 32])
+        for engine in engines:
+            engine.new_branch("q", PROMPT)
+        logits = [engine.next_logits(["q"]) for engine in engines]
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=QUANTIZED_ATOL)
+        tokens = [engine.generate(["q"], 16, GREEDY)[0] for engine in engines]
+        assert tokens[1] == tokens[0]
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_int4_at_a_degree_whose_parts_it_cannot_take_is_refused_before_anything_starts():
+    config = TINY_SHAPES[SHAPE].hf_config(vocab_size=256, num_key_value_heads=4)   # splits 4 ways
+    before = multiprocessing.active_children()
+    with pytest.raises(TensorParallelError, match=r"each rank's part of o_proj is 64 x 16, which int4 cannot take"):
+        Engine.from_random(config, num_blocks=8, weights="int4", tensor_parallel=4)
+    assert multiprocessing.active_children() == before
+    Engine.check_random(config, weights="int8", tensor_parallel=4)   # int8 has no groups to cut
+
+
 @pytest.mark.parametrize("request_, error, message", [
     ({"tensor_parallel": 3}, TensorParallelError, r"tensor_parallel=3 cannot split .* runs at tensor_parallel 1, 2\."),
     ({"tensor_parallel": 0}, TensorParallelError, r"must be an int >= 1"),
     ({"tensor_parallel": "2"}, TensorParallelError, r"must be an int >= 1"),
-    ({"tensor_parallel": 2, "weights": "int8"}, TensorParallelError,
-     r"weights='int8' is not supported at tensor_parallel > 1 yet"),
+    ({"tensor_parallel": 2, "weights": "fp8"}, ValueError, r"weights='fp8' has no fast product on cpu"),
     ({"tensor_parallel": 2, "cuda_graphs": True}, ValueError, r"cuda_graphs=True, but they need a CUDA device"),
     ({"tensor_parallel": 2, "attention": "bogus"}, ValueError, r"attention backend 'bogus' is not available"),
 ])

@@ -2,8 +2,8 @@
 against the same engine on cuda:0 alone, in float32 on a tiny checkpoint (greedy tokens over 64 steps, logits
 within 1e-4, a fork continued, a batch of sampled branches, 32 forks decoding through CUDA graphs on both ranks
 against eager steps, an eager prefill straight after graph steps, graphs dropped in step, a checkpoint read onto
-each GPU), and in bfloat16 at a real shape (logits within bf16's tolerance); close() ends the workers, a killed
-worker is a clear error within 30 s, and a hung one within the collective timeout."""
+each GPU), and in bfloat16 at a real shape and with fp8 weights (logits within bf16's tolerance); close() ends the
+workers, a killed worker is a clear error within 30 s, and a hung one within the collective timeout."""
 import os
 import signal
 import time
@@ -164,6 +164,27 @@ def test_real_shape_logits_within_bfloat16_tolerance():
     scale = logits[0].abs().max()
     assert (logits[1] - logits[0]).abs().max() <= 0.05 * scale
     assert tokens   # both ran a decode; bf16 rounding may part their greedy paths, so they are not compared
+
+
+def test_fp8_weights_split_as_the_whole_models_quantization():
+    """fp8 weights at TP=2 in bfloat16: rank 0's o_proj (split by input columns) holds the whole o_proj's e4m3
+    values and scales for its columns, and the next-token logits follow one GPU's within bf16's tolerance."""
+    engines = [Engine.from_random(CONFIG, device="cuda", dtype="bfloat16", num_blocks=32, weights="fp8",
+                                  tensor_parallel=degree) for degree in (1, 2)]
+    try:
+        whole, part = (engine.model.model.layers[0].self_attn.o_proj for engine in engines)
+        columns = whole.in_features // 2
+        assert torch.equal(part.scale, whole.scale)
+        assert torch.equal(part.qweight.view(torch.uint8), whole.qweight[:, :columns].view(torch.uint8))
+        logits = []
+        for engine in engines:
+            engine.new_branch("a", PROMPT)
+            logits.append(engine.next_logits(["a"]).float())
+            assert engine.generate(["a"], 8, GREEDY)[0]   # graphs with fp8 products on every rank
+        assert (logits[1] - logits[0]).abs().max() <= 0.05 * logits[0].abs().max()
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 def test_close_ends_the_workers_and_a_killed_worker_is_a_clear_error():
