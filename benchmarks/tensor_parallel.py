@@ -109,6 +109,14 @@ def main(argv: list[str] | None = None) -> dict:
                           Column("floor_ms", "floor ms", "{:.3f}"), Column("x_floor", "x floor", "{:.2f}"),
                           Column("x_tp1", "x TP=1", "{:.2f}")])
     costs = one_gpu_ms = None
+    context = prefix + leaves_n * (OWN + steps / 2)   # the prefix once, each leaf's own tokens mid-call
+
+    def add_row(name: str, gpus: int, seconds: float) -> None:
+        """A row beside its floor (each of `gpus` GPUs reads its share of the weights and KV at once) and TP=1."""
+        floor = floors.seconds((costs.weight_bytes + costs.kv_bytes(context)) / gpus)
+        table.add(variant=name, step_ms=seconds * 1e3, floor_ms=floor * 1e3, x_floor=seconds / floor,
+                  x_tp1=seconds * 1e3 / one_gpu_ms)
+        log(f"  {name}: {seconds * 1e3:.3f} ms a step (floor {floor * 1e3:.3f})")
     eager = setup.device.type == "cuda" and not args.no_eager
     variants = [("TP=1", 1, {})] + ([("TP=1 eager", 1, {"cuda_graphs": False})] if eager else [])
     for degree in sorted(set(args.degrees) - {1}):
@@ -127,18 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
             engine.close()
             free_memory(setup.device)
         one_gpu_ms = one_gpu_ms or seconds * 1e3   # the first row: TP=1 as a user gets it
-        context = prefix + leaves_n * (OWN + steps / 2)   # the prefix once, each leaf's own tokens mid-call
-        floor = floors.seconds((costs.weight_bytes + costs.kv_bytes(context)) / degree)
-        table.add(variant=name, step_ms=seconds * 1e3, floor_ms=floor * 1e3, x_floor=seconds / floor,
-                  x_tp1=seconds * 1e3 / one_gpu_ms)
-        log(f"  {name}: {seconds * 1e3:.3f} ms a step (floor {floor * 1e3:.3f})")
+        add_row(name, degree, seconds)
     if args.llama_gguf is not None:
-        context = prefix + leaves_n * (OWN + steps / 2)
         for name, gpus, seconds in llama_cpp_steps(args, setup, report, prefix_ids, own_ids, steps):
-            floor = floors.seconds((costs.weight_bytes + costs.kv_bytes(context)) / gpus)
-            table.add(variant=name, step_ms=seconds * 1e3, floor_ms=floor * 1e3, x_floor=seconds / floor,
-                      x_tp1=seconds * 1e3 / one_gpu_ms)
-            log(f"  {name}: {seconds * 1e3:.3f} ms a step (floor {floor * 1e3:.3f})")
+            add_row(name, gpus, seconds)
     for row in table.rows[1:]:
         if not row["variant"].startswith("TP=") or row["variant"].endswith("eager"):
             continue
