@@ -760,7 +760,8 @@ class Engine:
     def logprobs(self, branch: BranchRef) -> list[float | None]:
         """One entry per token of the branch (as `branch.tokens`): the model's log-probability of a token
         sampled by `generate(..., logprobs=True)`, None for prompt and appended tokens and tokens sampled
-        without it. Forks share their parent's entries, as they share its tokens."""
+        without it. Forks share their parent's entries, as they share its tokens, and so do tokens that prefix reuse
+        found in the tree (a scored prefix keeps its scores: the same values, as the same tokens come before)."""
         return self.branch_tree.path_logprobs(self.branch_tree.resolve(branch).node)
 
     @engine_call

@@ -120,6 +120,22 @@ def test_scoring_an_append_reuses_nothing(eng):
     assert eng.prefill_report == PrefillReport(0, 20) and all(lp is not None for lp in eng.logprobs(b)[1:])
 
 
+def test_a_reused_scored_prefix_keeps_its_log_probabilities_and_nothing_else_is_scored(eng):
+    # Found by tests/kv/test_stateful.py: a new branch over a scored prefix shares that prefix's nodes, and with
+    # them the log-probabilities they keep. They are the values a scoring forward would give the new branch.
+    a = eng.new_branch("a", PROMPT[:1])
+    eng.append(a, PROMPT[1:12], logprobs=True)
+    b = eng.new_branch("b", PROMPT[:12] + OTHER[:4])
+    assert eng.prefill_report.reused_tokens >= 11
+    assert eng.logprobs(b)[:12] == eng.logprobs(a) and eng.logprobs(b)[12:] == [None] * 4
+    scored = eng.new_branch("scored")
+    eng.append(scored, PROMPT[:12] + OTHER[:4], logprobs=True)
+    assert eng.logprobs(b)[1:12] == pytest.approx(eng.logprobs(scored)[1:12], abs=1e-4)
+    c = eng.new_branch("c", PROMPT[:6] + OTHER[:2])  # ends inside a's node: the split keeps each token's value
+    assert eng.logprobs(c) == eng.logprobs(a)[:6] + [None] * 2 and eng.logprobs(a)[1:] == eng.logprobs(b)[1:12]
+    eng.audit()
+
+
 def test_with_prefix_reuse_off_every_prompt_is_prefilled(model):
     eng = Engine(model[0], model[1], num_blocks=96, block_size=4, prefix_reuse=False)
     assert eng.prefix_reuse is False

@@ -41,11 +41,27 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             self.engine.source = source  # the weights are that checkpoint's, so a restore can rebuild them
             self.expected: dict[str, list[int]] = {}
             self.scored: dict[str, list[bool]] = {}  # which of each branch's tokens keep a log-probability
+            # Every token sequence whose last token was ever scored. Prefix reuse shares the tree's nodes, and with
+            # them the log-probabilities they keep (the values a scoring forward would give: the same tokens come
+            # before), so a new branch or an append may find some of its tokens scored already, but only these.
+            self.scored_prefixes: set[tuple[int, ...]] = set()
             self.counter = 0
 
         def _name(self):
             self.counter += 1
             return f"b{self.counter}"
+
+        def _note_scored(self, name):
+            tokens = self.expected[name]
+            self.scored_prefixes.update(tuple(tokens[:i + 1]) for i, on in enumerate(self.scored[name]) if on)
+
+        def _added_by_reuse(self, name, start):
+            """The flags of the tokens a prefill without scoring just added from `start`: kept only where reused."""
+            tokens, kept = self.expected[name], [lp is not None for lp in self.engine.logprobs(name)]
+            for i in range(start, len(tokens)):
+                assert not kept[i] or tuple(tokens[:i + 1]) in self.scored_prefixes, \
+                    f"{name} keeps a log-probability at {i} that no scoring ever computed"
+            return kept[start:]
 
         def _attempt(self, call):
             """Run a call that may legitimately run out of blocks; if it does, nothing may have changed."""
@@ -62,14 +78,19 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
             if self._attempt(lambda: self.engine.new_branch(name, tokens)) is None:
                 return None
             self.expected[name] = list(tokens)
-            self.scored[name] = [False] * len(tokens)
+            self.scored[name] = self._added_by_reuse(name, 0)
             return name
 
         @rule(name=branches, tokens=tokens_strategy, logprobs=st.booleans())
         def append(self, name, tokens, logprobs):
             if name in self.expected and self._attempt(lambda: self.engine.append(name, tokens, logprobs=logprobs)):
+                start = len(self.expected[name])
                 self.expected[name] += tokens
-                self.scored[name] += [logprobs] * len(tokens)  # a branch here is never empty: all are scored
+                if logprobs:  # a branch here is never empty, so all are scored; nothing is reused
+                    self.scored[name] += [True] * len(tokens)
+                    self._note_scored(name)
+                else:
+                    self.scored[name] += self._added_by_reuse(name, start)
 
         @rule(target=branches, name=branches, n=st.integers(1, 3))
         def fork(self, name, n):
@@ -94,6 +115,7 @@ def test_random_operation_sequences_keep_invariants(loaded, tmp_path):
                 assert len(out) == steps
                 self.expected[name] += out
                 self.scored[name] += [logprobs] * steps
+                self._note_scored(name)
 
         @rule(name=consumes(branches))
         def prune(self, name):
