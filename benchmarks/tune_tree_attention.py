@@ -4,7 +4,10 @@ Each variant is a TritonAttention built with the given keyword arguments; every 
 layout and attends with the same q, timed as tree_attention.py times it (CUDA-graph replays, L2 flushed).
 FlashInfer is not run here: tree_attention.py measures it beside the defaults.
 
-    python benchmarks/tune_tree_attention.py [--only default "wide 8 warps"] [--launches]
+    python benchmarks/tune_tree_attention.py [--only default "wide 8 warps"] [--launches] [--tensor-parallel N]
+
+--tensor-parallel N sweeps the heads one rank of N holds (the 8B's 32/8 heads become 32/N and 8/N, each of 128
+dimensions): one rank's attention at that degree, on one GPU.
 
 --launches also times each launch of a layer alone (one per tile width) and the merge alone, and prints each
 launch's registers, spilled registers and shared memory per program, where the whole layer's time goes.
@@ -73,13 +76,22 @@ def main(argv: list[str] | None = None) -> None:
                            help="run only these variants (their labels, as printed)")
     arguments.add_argument("--launches", action="store_true",
                            help="also time each launch and the merge alone, with their compiled resources")
+    arguments.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                           help="the heads one rank of N holds (default 1: the whole model's)")
     args = arguments.parse_args(argv)
     variants = [(label, options) for label, options in VARIANTS if args.only is None or label in args.only]
     if not variants:
         raise SystemExit(f"no variant is called {args.only}; the variants: {[label for label, _ in VARIANTS]}")
     setup = make_setup(args)
     swept = SMOKE_SWEPT if setup.smoke else SWEPT
-    hf_config = setup.hf_config("llama-3.1-8b", num_hidden_layers=1, vocab_size=1024)
+    whole = setup.hf_config("llama-3.1-8b")
+    if whole["num_key_value_heads"] % args.tensor_parallel:
+        raise SystemExit(f"--tensor-parallel {args.tensor_parallel} does not divide the "
+                         f"{whole['num_key_value_heads']} KV heads")
+    head_dim = whole.get("head_dim") or whole["hidden_size"] // whole["num_attention_heads"]
+    hf_config = setup.hf_config("llama-3.1-8b", num_hidden_layers=1, vocab_size=1024, head_dim=head_dim,
+                                num_attention_heads=whole["num_attention_heads"] // args.tensor_parallel,
+                                num_key_value_heads=whole["num_key_value_heads"] // args.tensor_parallel)
     model = build_model(setup, hf_config)
     config = model.config
     engine, reason = engine_variant(model, setup, "torch", None, block_size=BLOCK_SIZE,
@@ -87,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     if engine is None:
         raise SystemExit(reason)
     kv = engine.pool.layers()[0]
+    log(f"one layer, {config.num_heads}q/{config.num_kv_heads}kv heads x{config.head_dim}")
     log(f"{'variant':>20} " + " ".join(f"{'(' + s.key + ') us':>10}" for s in swept))
     layouts = []
     for index, scenario in enumerate(swept):

@@ -140,8 +140,12 @@ class LlamaCppPeer:
         self._ctx = lib.llama_init_from_model(model._model, params)
         if not self._ctx:
             self._free_samplers()
+            needs_flash = [why for why, applies in (("a quantized V cache", setting.kv_type not in ("f16", "f32")),
+                                                    ("a tensor split", model.split == "tensor")) if applies]
+            hint = f"{' and '.join(needs_flash)} needs flash attention on; " if needs_flash and not setting.flash_attn \
+                else ""
             raise LlamaCppError(f"llama.cpp could not make a context at {setting.describe()} with n_ctx {n_ctx:,} "
-                                f"(a quantized V cache needs flash attention on; set LLAMA_CPP_VERBOSE=1 for why).")
+                                f"({hint}set LLAMA_CPP_VERBOSE=1 for why).")
         self.n_ctx = lib.llama_n_ctx(self._ctx)
         self.n_seq_max = n_seq_max
         self._memory = lib.llama_get_memory(self._ctx)

@@ -205,14 +205,18 @@ def test_gpu_diagnostics_name_what_exists(monkeypatch):
 
 def test_attention_tuner_times_each_launch_and_the_merge_alone(monkeypatch, capsys):
     """tune_tree_attention.py --launches: under each variant's line, a scenario's launches one by one (tile width,
-    items, time, compiled resources) and its merge (slots, time); every time positive."""
+    items, time, compiled resources) and its merge (slots, time); every time positive. With --tensor-parallel 2, on
+    the heads one rank of two holds."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     triton = pytest.importorskip("triton")
     if not triton.knobs.runtime.interpret:
         pytest.skip("the tuner's CPU run needs TRITON_INTERPRET=1 (the test session's default)")
-    importlib.import_module("tune_tree_attention").main(["--smoke", "--device", "cpu", "--only", "default",
-                                                         "--launches"])
-    header, variant, dissection = capsys.readouterr().out.strip().splitlines()
+    tune = importlib.import_module("tune_tree_attention")
+    whole = tune.make_setup(tune.parser("").parse_args(["--smoke"])).hf_config("llama-3.1-8b")
+    tune.main(["--smoke", "--device", "cpu", "--only", "default", "--launches", "--tensor-parallel", "2"])
+    heads, header, variant, dissection = capsys.readouterr().out.strip().splitlines()
+    assert heads == (f"one layer, {whole['num_attention_heads'] // 2}q/{whole['num_key_value_heads'] // 2}kv heads "
+                     f"x{whole['hidden_size'] // whole['num_attention_heads']}")
     assert header.split() == ["variant", "(a)", "us"] and variant.split()[0] == "default"
     assert float(variant.split()[1]) > 0
     launches, merge = dissection.strip().split(" | ")[:-1], dissection.split(" | ")[-1]

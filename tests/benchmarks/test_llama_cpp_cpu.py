@@ -36,6 +36,13 @@ def peer(llama_model):
     made.close()
 
 
+def test_a_refused_context_says_what_flash_attention_would_need(llama_model):
+    from peers.llama_cpp_peer import LlamaCppError, LlamaCppPeer, LlamaSetting
+
+    with pytest.raises(LlamaCppError, match="a quantized V cache needs flash attention on"):
+        LlamaCppPeer(llama_model, LlamaSetting(threads=1, flash_attn=False, kv_type="q8_0"), n_ctx=512, n_seq_max=1)
+
+
 def test_forks_continue_their_parent_and_ids_come_back_when_pruned(peer):
     from peers.llama_cpp_peer import LlamaCppError
 
