@@ -45,11 +45,15 @@ def start(spec: ModelSpec, world: int, device: torch.device) -> tuple[CausalLM, 
     """(rank 0's shard on its device, the tokenizer, where the weights came from, the running workers)."""
     group = TensorGroup(world, device, spec)
     try:
-        model, tokenizer, origin, checksum, model.whole_fingerprint = spec.build_shard(0, world, group.rank_device(0))
-        group.check_weights(checksum)
-        if spec.weights is not None:   # with the workers, product by product (their scales agree)
-            quantize_shard(model, spec.weights, group.max_over_ranks)
-        connect(model, 0, world, group.all_reduce)
+        # In lockstep: a failure here (Ctrl-C included) can leave the workers inside a collective of the load, where
+        # no close command reaches them, so they are ended at once, not asked to close.
+        with group.lockstep("loading the model"):
+            model, tokenizer, origin, checksum, model.whole_fingerprint = spec.build_shard(0, world,
+                                                                                           group.rank_device(0))
+            group.check_weights(checksum)
+            if spec.weights is not None:   # with the workers, product by product (their scales agree)
+                quantize_shard(model, spec.weights, group.max_over_ranks)
+            connect(model, 0, world, group.all_reduce)
     except BaseException:
         group.close()
         raise

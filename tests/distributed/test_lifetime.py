@@ -11,6 +11,7 @@ import pytest
 
 from dendrite_nb import Engine, SamplingParams
 from dendrite_nb.distributed.channels import HOST
+from dendrite_nb.distributed.group import JOIN_TIMEOUT_S
 from dendrite_nb.errors import TensorParallelError
 from dendrite_nb.testing import TINY_SHAPES
 from tests.support.engines import engine_state
@@ -91,5 +92,42 @@ def test_rank_0_failing_inside_a_forward_ends_the_workers(monkeypatch):
         with pytest.raises(TensorParallelError, match=r"rank 0 stopped in the middle of a forward \(MemoryError: no "
                                                       r"memory for the second layer\)"):
             engine.generate(["a"], 4, GREEDY)
+    finally:
+        engine.close()
+
+
+def test_ctrl_c_in_a_quantized_load_ends_the_workers_and_the_next_load_works(monkeypatch):
+    """Ctrl-C between two of a quantized load's scale exchanges leaves the workers inside the load, where no close
+    command reaches them: the load ends them at once (not after a close's timeouts: this took 22 s), frees the
+    store's port, and raises the KeyboardInterrupt; the next load starts afresh."""
+    from dendrite_nb.distributed import launch
+
+    quantize, started, groups, make_group = launch.quantize_shard, {}, [], launch.TensorGroup
+    monkeypatch.setattr(launch, "TensorGroup", lambda *args: groups.append(make_group(*args)) or groups[-1])
+
+    def interrupted_after_one_exchange(model, weights, max_over_ranks):
+        started["pids"] = set(children())
+        calls = []
+
+        def exchange(tensor):
+            if calls:
+                started["interrupt"] = time.monotonic()
+                raise KeyboardInterrupt
+            calls.append(tensor)
+            return max_over_ranks(tensor)
+        quantize(model, weights, exchange)
+
+    monkeypatch.setattr(launch, "quantize_shard", interrupted_after_one_exchange)
+    with pytest.raises(KeyboardInterrupt):
+        Engine.from_random(CONFIG, num_blocks=16, weights="int8", tensor_parallel=2)
+    assert time.monotonic() - started["interrupt"] < JOIN_TIMEOUT_S   # one close command's wait is this long
+    assert started["pids"] and all(gone(pid) for pid in started["pids"]) and not children()
+    with socket.socket() as probe:   # the store's port is free again
+        probe.bind((HOST, groups[0].port))
+    monkeypatch.undo()
+    engine = Engine.from_random(CONFIG, num_blocks=16, weights="int8", tensor_parallel=2)
+    try:
+        engine.new_branch("a", [1, 2, 3])
+        assert len(engine.generate(["a"], 4, GREEDY)[0]) == 4
     finally:
         engine.close()
