@@ -10,7 +10,8 @@ FlashInfer is not run here: tree_attention.py measures it beside the defaults.
 dimensions): one rank's attention at that degree, on one GPU.
 
 --launches also times each launch of a layer alone (one per tile width) and the merge alone, and prints each
-launch's registers, spilled registers and shared memory per program, where the whole layer's time goes.
+launch's items, longest chunk (positions), whether it reads through TMA, and its registers, spilled registers and
+shared memory per program: where the whole layer's time goes.
 """
 from __future__ import annotations
 
@@ -133,8 +134,11 @@ def launch_by_launch(backend: TritonAttention, plan, q: torch.Tensor, kv, device
         seconds = kernel_seconds(functools.partial(backend.write_partials, alone, q, kv), device)
         resources = (f"{compiled.n_regs} regs, {compiled.n_spills} spills, {compiled.metadata.shared / 1024:.0f} KB"
                      if hasattr(compiled, "n_regs") else "interpreted")
-        parts.append(f"{launch.block_m}-wide{' short' if launch.short else ''} x{launch.items.shape[0]}: "
-                     f"{seconds * 1e6:.1f} us [{resources}]")
+        # Whether it read through TMA (write_partials' rule) and its longest chunk: what tells two plans apart.
+        tma = plan.linear and launch.block_m > 16 and not launch.short
+        longest = int((launch.items[:, 3] - launch.items[:, 2]).max())
+        parts.append(f"{launch.block_m}-wide{' short' if launch.short else ''}{' tma' if tma else ''} "
+                     f"x{launch.items.shape[0]} <={longest}: {seconds * 1e6:.1f} us [{resources}]")
     merge = kernel_seconds(functools.partial(backend.merge, plan, q), device)
     return " | ".join(parts) + f" | merge ({plan.num_slots} slots): {merge * 1e6:.1f} us"
 

@@ -220,8 +220,8 @@ def test_attention_tuner_times_each_launch_and_the_merge_alone(monkeypatch, caps
     assert header.split() == ["variant", "(a)", "us"] and variant.split()[0] == "default"
     assert float(variant.split()[1]) > 0
     launches, merge = dissection.strip().split(" | ")[:-1], dissection.split(" | ")[-1]
-    assert launches and all(re.fullmatch(r"(\(a\) )?\d+-wide( short)? x\d+: [\d.]+ us \[interpreted\]", part)
-                            for part in launches), dissection
+    launch = r"(\(a\) )?\d+-wide( short)?( tma)? x\d+ <=\d+: [\d.]+ us \[interpreted\]"
+    assert launches and all(re.fullmatch(launch, part) for part in launches), dissection
     assert re.fullmatch(r"merge \(\d+ slots\): [\d.]+ us", merge), dissection
     assert all(float(number) > 0 for number in re.findall(r"([\d.]+) us", dissection))
 
