@@ -759,9 +759,10 @@ class Engine:
     @engine_call
     def logprobs(self, branch: BranchRef) -> list[float | None]:
         """One entry per token of the branch (as `branch.tokens`): the model's log-probability of a token
-        sampled by `generate(..., logprobs=True)`, None for prompt and appended tokens and tokens sampled
-        without it. Forks share their parent's entries, as they share its tokens, and so do tokens that prefix reuse
-        found in the tree (a scored prefix keeps its scores: the same values, as the same tokens come before)."""
+        sampled by `generate(..., logprobs=True)` or added by `append(..., logprobs=True)`, None for prompt tokens
+        and tokens added or sampled without it. Forks share their parent's entries, as they share its tokens, and
+        so do tokens that prefix reuse found in the tree (a scored prefix keeps its scores: the same values, as the
+        same tokens come before)."""
         return self.branch_tree.path_logprobs(self.branch_tree.resolve(branch).node)
 
     @engine_call
