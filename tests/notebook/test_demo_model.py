@@ -89,7 +89,8 @@ def test_a_second_call_does_not_fetch_again(crafted):
 def test_a_cached_file_that_does_not_match_is_fetched_again(crafted, capsys):
     cache, commands = crafted
     path = demo_model()
-    path.write_bytes(GGUF_BYTES[:-1] + b"!")   # same size, other contents
+    # Same size, other contents: the last byte flipped (a fixed b"!" equalled the random last byte 1 time in 256).
+    path.write_bytes(GGUF_BYTES[:-1] + bytes([GGUF_BYTES[-1] ^ 0xFF]))
     assert demo_model() == path and path.read_bytes() == GGUF_BYTES and len(commands) == 2
     assert "does not match the SHA-256 pinned" in capsys.readouterr().err
 
