@@ -193,7 +193,11 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Every builder makes the model on the meta device and fills it (model/loader.py, model/gguf.py,
+        # distributed/stream_shard.py), so the table skips nn.Embedding's random init: normal_ on a meta tensor
+        # imports torch._dynamo, 2-3 s of every load in a fresh process (a notebook kernel, a tensor-parallel worker).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
