@@ -134,8 +134,8 @@ def launch_by_launch(backend: TritonAttention, plan, q: torch.Tensor, kv, device
         seconds = kernel_seconds(functools.partial(backend.write_partials, alone, q, kv), device)
         resources = (f"{compiled.n_regs} regs, {compiled.n_spills} spills, {compiled.metadata.shared / 1024:.0f} KB"
                      if hasattr(compiled, "n_regs") else "interpreted")
-        # Whether it read through TMA (write_partials' rule) and its longest chunk: what tells two plans apart.
-        tma = plan.linear and launch.block_m > 16 and not launch.short
+        # Whether it read through TMA and its longest chunk: what tells two plans apart.
+        tma = plan.reads_through_tma(launch)
         longest = int((launch.items[:, 3] - launch.items[:, 2]).max())
         parts.append(f"{launch.block_m}-wide{' short' if launch.short else ''}{' tma' if tma else ''} "
                      f"x{launch.items.shape[0]} <={longest}: {seconds * 1e6:.1f} us [{resources}]")

@@ -73,6 +73,11 @@ class TritonPlan:
     host: torch.Tensor | None = None  # the pinned staging buffer; kept alive until its copy has run
     scratch: dict = field(default_factory=dict)  # partial outputs, allocated by the first layer, reused
 
+    def reads_through_tma(self, launch: _Launch) -> bool:
+        """Whether `launch` loads its KV tiles through TMA: host_plan found TMA usable for this device and cache
+        (linear), and the wide launches take it, as measured."""
+        return self.linear and launch.block_m > 16 and not launch.short
+
 
 class TritonAttention:
     name = "triton"
@@ -363,8 +368,7 @@ class TritonAttention:
                 block_n, (warps, stages) = BLOCK_N, self.narrow_launch
             block_n = INTERPRET_BLOCK_N if interpreting() else block_n
             asked = (block_n, warps, stages)
-            # plan.linear: host_plan found TMA usable for this device and cache; the wide launches take it, as measured.
-            launch_tma = plan.linear and launch.block_m > 16 and not launch.short
+            launch_tma = plan.reads_through_tma(launch)
             key = (q.device, q.dtype, kv.k.dtype, launch.block_m, asked, launch_tma)
             settings = self._fitted_launches.get(key, asked)
             while True:
