@@ -164,6 +164,20 @@ def per_replay_seconds(run, replays: int, rounds: int = 5) -> float:
     return statistics.median(times)
 
 
+def busy_chain_us(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """(start us, end us, name) of a GPU's kernels -> the time each name adds to the union of their intervals.
+    Under PDL a kernel starts while the one before it runs and waits inside, so kernels' own times overlap and do
+    not add up to the busy time. Walking the kernels in order of their end, each is charged only the time by which
+    it moves the end of everything before it: these figures sum to the busy time and show the chain a step waits on."""
+    charged: dict[str, float] = {}
+    end = float("-inf")
+    for start, stop, name in sorted(spans, key=lambda span: (span[1], span[0], span[2])):
+        if stop > end:
+            charged[name] = charged.get(name, 0.0) + stop - max(start, end)
+            end = stop
+    return charged
+
+
 def kernel_seconds(fn: Callable[[], Any], device: torch.device, capture: bool = True) -> float:
     """Median device seconds of one call of fn (GPU launches), with the L2 cache flushed before each call so
     its inputs come from memory as in a real step. On CUDA the calls replay from a CUDA graph, so the

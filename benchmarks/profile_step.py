@@ -19,8 +19,8 @@ import time
 import torch
 
 import dendrite_nb.engine.decode as decode_module
-from bench_common import (build_model, engine_variant, free_memory, generate_on_copies, kernel_seconds, log, parser,
-                          random_ids)
+from bench_common import (build_model, busy_chain_us, engine_variant, free_memory, generate_on_copies,
+                          kernel_seconds, log, parser, random_ids)
 from bench_common import setup as make_setup
 from decode_step import CASES, GREEDY, SMOKE_CASES, Case, num_blocks
 from dendrite_nb import Engine, SamplingParams
@@ -122,10 +122,8 @@ def gpu_kernels(engine, leaves, steps: int, sampling: SamplingParams,
     """(name, device ms per step, ms per step it extends the busy time by, launches per step) by kernel, busy
     ms per step, wall ms per step.
 
-    Under PDL a kernel starts while the one before it runs and waits inside, so device times overlap and
-    do not add up to the step. The second figure does: walking the kernels in order of their end, each is
-    charged only the time by which it moves the end of the GPU's busy time (its own time past the end of
-    everything before it), so the figures sum to the busy time and show the chain a step waits on."""
+    Under PDL device times overlap and do not add up to the step; the second figure does
+    (bench_common.busy_chain_us): the figures sum to the busy time and show the chain a step waits on."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
@@ -141,15 +139,11 @@ def gpu_kernels(engine, leaves, steps: int, sampling: SamplingParams,
             name = event.name[:70]
             kernels[name][0] += event.device_time_total
             kernels[name][2] += 1
-            spans.append((event.time_range.end, event.time_range.start, name))
-    spans.sort()
-    covered, end = 0.0, float("-inf")   # union of kernel intervals (us), charged to the kernel that extends it
-    for stop, start, name in spans:
-        if stop > end:
-            extends = stop - max(start, end)
-            kernels[name][1] += extends
-            covered += extends
-            end = stop
+            spans.append((event.time_range.start, event.time_range.end, name))
+    chain = busy_chain_us(spans)
+    for name, us in chain.items():
+        kernels[name][1] = us
+    covered = sum(chain.values())
     rows = sorted(((name, us / 1e3 / steps, chain_us / 1e3 / steps, count // steps)
                    for name, (us, chain_us, count) in kernels.items()), key=lambda row: -row[2])
     return rows, covered / 1e3 / steps, wall * 1e3 / steps

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from bench_common import Column, Report, free_memory, log, measure_floors, model_costs, parser, random_ids
+from bench_common import (Column, Report, busy_chain_us, free_memory, log, measure_floors, model_costs, parser,
+                          random_ids)
 from bench_common import setup as make_setup
 from dendrite_nb import Engine
 from dendrite_nb.distributed import worker as worker_module
@@ -88,18 +89,15 @@ def last_steps(trace: Path, steps: int, whole: bool) -> list[tuple[float, float,
 
 
 def busy_chain(kernels: list[tuple[float, float, str]], steps: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(ms per step that each part adds to the GPU's busy time, the same for each kernel no part takes), walking
-    the kernels by their end: each is charged the time by which it moves the end of everything before it."""
+    """(ms per step that each part adds to the GPU's busy time, the same for each kernel no part takes): the
+    kernels' shares of the busy chain (bench_common.busy_chain_us), summed by part."""
     chain: dict[str, float] = {}
     others: dict[str, float] = {}
-    end = float("-inf")
-    for start, stop, name in sorted(kernels, key=lambda kernel: kernel[1]):
-        if stop > end:
-            part, ms = part_of(name), (stop - max(start, end)) / 1e3 / steps
-            chain[part] = chain.get(part, 0.0) + ms
-            if part == OTHER:
-                others[name[:80]] = others.get(name[:80], 0.0) + ms
-            end = stop
+    for name, us in busy_chain_us(kernels).items():
+        part, ms = part_of(name), us / 1e3 / steps
+        chain[part] = chain.get(part, 0.0) + ms
+        if part == OTHER:
+            others[name[:80]] = others.get(name[:80], 0.0) + ms
     return chain, others
 
 
@@ -206,11 +204,13 @@ def main(argv: list[str] | None = None) -> dict:
         columns += [Column(f"tp{degree}_ms", f"TP={degree}", "{:.3f}"), Column(f"tp{degree}_floor", "floor", "{:.3f}")]
     parts = report.table(f"where the step's GPU time goes: {args.leaves} leaves under {args.prefix:,} tokens, "
                          f"{setup.shape_name(args.shape)}", columns)
-    names = sorted({part for chain in chains.values() for part in chain}, key=lambda part: -chains[degrees[-1]].get(part, 0))
-    for part in names:
-        parts.add(part=part, **{key: value for degree in degrees for key, value in
-                                ((f"tp{degree}_ms", chains[degree].get(part, 0.0)),
-                                 (f"tp{degree}_floor", floors_ms[degree].get(part)))})
+    widest = chains[degrees[-1]]
+    for part in sorted({part for chain in chains.values() for part in chain}, key=lambda part: -widest.get(part, 0)):
+        row = {}
+        for degree in degrees:
+            row[f"tp{degree}_ms"] = chains[degree].get(part, 0.0)
+            row[f"tp{degree}_floor"] = floors_ms[degree].get(part)
+        parts.add(part=part, **row)
     parts.add(part="busy chain", **{f"tp{degree}_ms": sum(chains[degree].values()) for degree in degrees})
     parts.add(part="step, without the profiler", **{f"tp{degree}_ms": steps_ms[degree] for degree in degrees})
     ranks = report.table("each rank's GPU over the profiled call, ms a step",
