@@ -10,17 +10,18 @@ from .default_model import demo_model
 from .engine import Engine
 from .errors import (BranchExists, BranchPruned, ChatError, CheckpointError, ConstraintError, ContextOverflow,
                      DendriteError, EmptyBranch, GenerationInterrupted, ModelDownloadError, OutOfBlocks, SaveFileError,
-                     UnknownBranch, UnsupportedModel)
+                     TensorParallelError, UnknownBranch, UnsupportedModel)
 from .events import DecodeStep, TreeChanged
 from .engine.branch_state import Branch
+from .model.quantized_linear import UnsupportedWeights
 from .sampling import SamplingParams
 from .step_history import StepHistory
 
 __version__ = "0.1.0"
 __all__ = ["Branch", "BranchExists", "BranchPruned", "ChatError", "CheckpointError", "Constraint", "ConstraintError",
            "ContextOverflow", "DecodeStep", "DendriteError", "EmptyBranch", "Engine", "GenerationInterrupted",
-           "ModelDownloadError", "OutOfBlocks", "SamplingParams", "SaveFileError", "StepHistory", "TreeChanged",
-           "UnknownBranch", "UnsupportedModel", "demo_model", "parse_constraint"]
+           "ModelDownloadError", "OutOfBlocks", "SamplingParams", "SaveFileError", "StepHistory", "TensorParallelError",
+           "TreeChanged", "UnknownBranch", "UnsupportedModel", "UnsupportedWeights", "demo_model", "parse_constraint"]
 
 
 def load_ipython_extension(ipython) -> None:

@@ -227,7 +227,8 @@ class BranchMagics(SessionBoundMagics):
         Examples::
 
           %show plan/0
-          text = (%show plan/0).text
+          shown = %show plan/0
+          shown.text
         """
         args = parse_arguments(self.show, line)
         engine = self.session.require_engine()

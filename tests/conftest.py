@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
         # compiles; by the end of the session they are done.
         items[:] = [item for item in items if item not in compile_checks] + compile_checks
 
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on a GPU machine with `pytest -m gpu`")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; on a GPU machine `pytest` runs it (`pytest -m gpu`: only these)")
     missing = missing_requirements()
     skip_browser = pytest.mark.skip(reason="the browser test needs " + "; ".join(missing))
     for item in items:

@@ -211,3 +211,27 @@ def test_missing_shard_is_named(checkpoint, tmp_path):
     (folder / shard).unlink()
     with pytest.raises(CheckpointError, match=f"lists shard '{shard}', which is missing"):
         Engine.from_pretrained(folder)
+
+
+def test_every_error_an_engine_call_raises_is_importable_from_the_package():
+    """docs/reference.md promises the typed errors under `from dendrite_nb import ...`; the server's own (serve/)
+    become HTTP errors and stay in their module."""
+    import importlib
+    import pkgutil
+
+    import dendrite_nb
+
+    for module in pkgutil.walk_packages(dendrite_nb.__path__, "dendrite_nb."):
+        if not module.name.startswith(("dendrite_nb.serve", "dendrite_nb.__main__")):
+            importlib.import_module(module.name)
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+    engine_errors = {cls for cls in subclasses(dendrite_nb.DendriteError)
+                     if cls.__module__.startswith("dendrite_nb.") and not cls.__module__.startswith("dendrite_nb.serve")}
+    assert {"TensorParallelError", "UnsupportedWeights"} <= {cls.__name__ for cls in engine_errors}
+    missing = sorted(cls.__name__ for cls in engine_errors if cls.__name__ not in dendrite_nb.__all__)
+    assert not missing, f"errors an engine call raises but the package does not export: {missing}"
+    assert all(getattr(dendrite_nb, name) is cls for cls in engine_errors for name in [cls.__name__])
