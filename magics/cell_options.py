@@ -9,8 +9,9 @@ our plugin, plain IPython) can write options as the first lines of the cell:
     #| regex: \\d{3}-\\d{4}
     #| choices: ["yes", "no"]
 
-Inline options are stripped from the prompt text. Metadata wins when both are present, as the
-design says; giving both is refused, because one of them would be silently ignored.
+Inline options are stripped from the prompt text. A cell may take its constraint from one place only: the
+design's order (metadata before inline options) would silently ignore the other, so a cell with both is refused
+with a UsageError that says to keep one.
 """
 from __future__ import annotations
 
