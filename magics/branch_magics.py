@@ -111,7 +111,7 @@ class BranchMagics(SessionBoundMagics):
             check_rewrite_fits(engine, args.name, record, body, args.gen)
             with user_errors():
                 report = rewrite(engine, args.name, record, content, role, args.logprobs, args.gen, sampling,
-                                 constraint)
+                                 constraint, parent=args.parent)
         if report is not None:
             branch, before = engine.branch(args.name), record.length_before
             counts = f"reused {counted(report.reused_tokens, 'token')}, prefilled {report.prefilled_tokens:,}"

@@ -94,10 +94,15 @@ def check_rewrite_fits(engine: Engine, name: str, record: CellWrite, body: str, 
 
 
 def rewrite(engine: Engine, name: str, record: CellWrite, content: Any, role: str | None, logprobs: bool,
-            gen: int, sampling: SamplingParams, constraint: Constraint | None) -> PrefillReport | None:
+            gen: int, sampling: SamplingParams, constraint: Constraint | None,
+            parent: str | None = None) -> PrefillReport | None:
     """Put branch `name` back to before the cell, then write `content` as Engine.write would (room_for=gen), all
     or nothing. Returns the write's PrefillReport; None when the engine refuses to go back (a chat message in the
-    middle of a conversation: rewinding cuts whole conversations only), having changed nothing."""
+    middle of a conversation: rewinding cuts whole conversations only), having changed nothing.
+
+    parent: the cell's --from branch. A chat message written onto a fork of a conversation cannot be rewound to
+    the fork's start either (closing the parent's last reply put tokens of it there), but the cell made that fork:
+    it is made again, from the parent (which rerun_of found unchanged)."""
     branch = engine.branch(name)
     back_to = record.length_before
     if role is None and not content and back_to > 0:
@@ -108,14 +113,18 @@ def rewrite(engine: Engine, name: str, record: CellWrite, content: Any, role: st
         # The old text stays reachable from a spare fork while the new one is written, so that the write reuses
         # its KV up to the first changed token; the spare goes at the end of the same call.
         spare = engine.fork(branch, names=[_spare_name(engine, name)])[0]
+        fork_of = None
         try:
             engine.rewind(branch, back_to)
-        except ChatError:   # it would cut into the conversation's messages: the cell appends a new one instead
-            engine.prune(spare)
-            return None
-        if record.constraint is not None and branch.constraint is not None:
+        except ChatError:   # it would cut into the conversation's messages
+            if parent is None:   # the cell appends a new message instead
+                engine.prune(spare)
+                return None
+            engine.prune(branch)
+            fork_of = parent
+        if fork_of is None and record.constraint is not None and branch.constraint is not None:
             engine.constrain(branch, None)   # the cell's generation put it there; its text goes in without
-        engine.write(name, content, role=role, logprobs=logprobs, room_for=gen, sampling=sampling,
+        engine.write(name, content, fork_of=fork_of, role=role, logprobs=logprobs, room_for=gen, sampling=sampling,
                      constraint=constraint)
         report = engine.prefill_report
         engine.prune(spare)

@@ -183,3 +183,36 @@ def test_a_chat_cell_run_again(shell, checkpoint, tmp_path, monkeypatch):
     assert [m for m in engine.branch("talk").chat.messages if m[0] == "user"][-2:] == [
         ("user", "Name a river."), ("user", "Name a lake.")]
     engine.audit()
+
+
+def test_a_chat_fork_cell_run_again_makes_its_fork_again(shell, checkpoint, tmp_path, monkeypatch):
+    """`%%branch chat/de --from chat --chat` after a --gen cell: the fork's start cannot be rewound to (closing the
+    parent's reply put tokens there), so the re-run forks the parent again; the parent stays as it was, the
+    fork ends as a first run would leave it, and a re-run that fails changes nothing."""
+    folder = write_chat_checkpoint(checkpoint("qwen2-gqa-tied"), tmp_path / "chat", "qwen2.5")
+    install_in_session(Engine.from_pretrained(folder, num_blocks=256, block_size=4, debug=True))
+    engine = current_engine()
+    in_cell(shell, monkeypatch, "ask")
+    magic(shell, "branch chat --chat --gen 3 -t 0 --ignore-eos", "Name a river.")
+    parent = engine.branch("chat").tokens
+    in_cell(shell, monkeypatch, "fork")
+    magic(shell, "branch chat/de --from chat --chat", "And a lake?")
+    first = engine.branch("chat/de").tokens
+    again, _ = magic(shell, "branch chat/de --from chat --chat", "And a lake?")
+    assert engine.branch("chat/de").tokens == first and engine.branch("chat").tokens == parent
+    assert "already" in again.action
+    edited, _ = magic(shell, "branch chat/de --from chat --chat", "And a sea?")
+    assert edited.action.startswith("rewrote chat/de")
+    assert engine.branch("chat/de").chat.messages[-1] == ("user", "And a sea?")
+    assert engine.branch("chat/de").tokens[:len(parent)] == parent
+    edited_length = len(engine.branch("chat/de"))
+    engine.audit()
+    before = engine_state(engine)
+    with pytest.raises(UsageError, match="role"):
+        magic(shell, "branch chat/de --from chat --chat --role wizard", "And a sea?")
+    assert engine_state(engine) == before
+    magic(shell, "branch chat/de --from chat --chat --gen 2 -t 0 --ignore-eos", "And a sea?")
+    messages = engine.branch("chat/de").chat.messages
+    assert [m for m in messages if m[0] == "user"] == [("user", "Name a river."), ("user", "And a sea?")]   # once
+    assert len(engine.branch("chat/de")) == edited_length + 2
+    engine.audit()
