@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from ..attention import make_backend
-from ..config import KV_DTYPES, EngineConfig, parse_dtype
-from ..engine.build import graphs_unavailable_reason
+from ..config import EngineConfig
+from ..engine.build import check_backend_request
 from ..errors import TensorParallelError
 from ..model.transformer import CausalLM
 from .group import TensorGroup
@@ -34,11 +33,7 @@ def check_request(spec: ModelSpec, world: int, settings: EngineConfig) -> None:
     check_degree(world, config)
     if spec.weights == "int4":
         check_int4_split(config, world)
-    kv_dtype = spec.dtype if settings.kv_dtype is None else parse_dtype(settings.kv_dtype, KV_DTYPES, "kv_dtype")
-    backend = make_backend(settings.attention, device, spec.dtype, config.head_dim, kv_dtype)   # the engine's, later
-    reason = graphs_unavailable_reason(device, backend)
-    if settings.cuda_graphs and reason is not None:   # what the engine would raise once the workers had started
-        raise ValueError(f"cuda_graphs=True, but {reason}.")
+    check_backend_request(config, spec.dtype, settings)   # what the engine would raise once the workers had started
 
 
 def start(spec: ModelSpec, world: int, device: torch.device) -> tuple[CausalLM, Any, Path | None, TensorGroup]:

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ..attention import AttentionBackend
+from ..attention import AttentionBackend, make_backend
+from ..config import KV_DTYPES, EngineConfig, parse_dtype
 from ..errors import CheckpointError
 from ..kv import KVPool
 from ..model.config import ModelConfig
@@ -94,6 +95,22 @@ def graphs_unavailable_reason(device: torch.device, backend: AttentionBackend) -
     if not backend.capabilities.capturable_plans:
         return f"the {backend.name!r} backend's plans cannot be captured; use attention='triton'"
     return None
+
+
+ANY_HEAD_DIM = 128   # a head size every attention backend takes (check_backend_request without the model's)
+
+
+def check_backend_request(config: ModelConfig | None, dtype: torch.dtype, settings: EngineConfig) -> None:
+    """Raise what the engine's attention backend and CUDA graphs would raise for this model and these options (an
+    unknown backend, one that cannot run here, cuda_graphs=True where graphs cannot), before a weight loads.
+    config None (a checkpoint whose config is not read yet: a GGUF's takes a second): what does not depend on the
+    model's head size."""
+    head_dim = config.head_dim if config is not None else ANY_HEAD_DIM
+    kv_dtype = dtype if settings.kv_dtype is None else parse_dtype(settings.kv_dtype, KV_DTYPES, "kv_dtype")
+    backend = make_backend(settings.attention, settings.device, dtype, head_dim, kv_dtype)
+    reason = graphs_unavailable_reason(settings.device, backend)
+    if settings.cuda_graphs and reason is not None:
+        raise ValueError(f"cuda_graphs=True, but {reason}.")
 
 
 def forward_graphs(wanted: bool | None, model: CausalLM, backend: AttentionBackend, pool: KVPool,

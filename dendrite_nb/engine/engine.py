@@ -35,6 +35,7 @@ from ..events import Event, Listener, Subscription, TreeChanged
 from ..forward import ForwardRunner
 from ..kv import BranchTree, KVPool
 from ..kv.journal import restore_attrs, restore_key
+from ..model.config import ModelConfig, config_dict
 from ..model.quantized_linear import check_weights
 from ..model.transformer import CausalLM
 from ..paths import user_path
@@ -151,6 +152,7 @@ class Engine:
             spec = ModelSpec(str(user_path(path).absolute()), None, 0, parse_dtype(dtype), weights)
             engine, origin = cls._sharded(spec, tensor_parallel, settings, options)
         else:
+            build.check_backend_request(None, parse_dtype(dtype), settings)   # the head size is checked once loaded
             model, tokenizer, origin = build.load_checkpoint(path, settings.device, parse_dtype(dtype), weights)
             engine = cls(model, tokenizer, device=settings.device, **options)
         engine.source = {"checkpoint": str(origin.resolve()), **({"weights": weights} if weights else {})}
@@ -164,9 +166,10 @@ class Engine:
         tensor_parallel: as from_pretrained's (each rank draws its share of the random model from weight_seed)."""
         settings = cls._settings_before_loading(device, options, weights)
         if check_degree(tensor_parallel) > 1:
-            spec = ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype), weights)
+            spec = ModelSpec(None, config_dict(hf_config), weight_seed, parse_dtype(dtype), weights)
             engine = cls._sharded(spec, tensor_parallel, settings, options)[0]
         else:
+            build.check_backend_request(ModelConfig.from_hf(hf_config), parse_dtype(dtype), settings)
             model = build.random_weights(hf_config, settings.device, parse_dtype(dtype), weight_seed, weights)
             engine = cls(model, None, device=settings.device, **options)
         engine.source = {"hf_config": dict(hf_config), "weight_seed": weight_seed,
@@ -225,7 +228,7 @@ class Engine:
                      **options: Any) -> None:
         """Raise what from_random(the same arguments) would raise before drawing a weight (check_pretrained's
         checks, the config's own). Builds and starts nothing."""
-        cls._check_spec(ModelSpec(None, dict(hf_config), weight_seed, parse_dtype(dtype), weights), device,
+        cls._check_spec(ModelSpec(None, config_dict(hf_config), weight_seed, parse_dtype(dtype), weights), device,
                         tensor_parallel, options)
 
     @classmethod
@@ -244,7 +247,7 @@ class Engine:
         if check_degree(tensor_parallel) > 1:
             launch.check_request(spec, tensor_parallel, settings)
         else:
-            spec.config()
+            build.check_backend_request(spec.config(), spec.dtype, settings)
 
     @staticmethod
     def _settings_before_loading(device: Any, options: dict[str, Any], weights: str | None) -> EngineConfig:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from ..errors import UnsupportedModel
+from ..errors import CheckpointError, UnsupportedModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 # Checkpoint families by model_type, for messages.
@@ -12,6 +12,9 @@ _FAMILY_NAMES = "Llama 3, Mistral, Phi-3 / Phi-4, Qwen2 / Qwen2.5 and Qwen3"
 # Families whose `sliding_window` applies to every layer (Qwen2 carries one that is off by default).
 _WINDOWED_EVERYWHERE = ("mistral", "phi3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# The sizes a config must give, and those it may (each a positive int where given).
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        """The shape of an HF config (config.json's contents). A field missing or of the wrong kind is a
+        CheckpointError naming it; a model this engine does not run, UnsupportedModel."""
+        raw = config_dict(raw)
+        _check_sizes(raw)
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
@@ -103,3 +110,29 @@ class ModelConfig:
     def describe(self) -> str:
         return (f"{self.model_type} {self.num_layers}L h{self.hidden_size} "
                 f"{self.num_heads}q/{self.num_kv_heads}kv heads x{self.head_dim}")
+
+
+def config_dict(raw: Any) -> dict[str, Any]:
+    """A copy of an HF config given as a mapping; CheckpointError for anything else (a model's name, say)."""
+    if not isinstance(raw, Mapping):
+        raise CheckpointError(f"a model config is a dict (the contents of an HF config.json), got "
+                              f"{type(raw).__name__} {raw!r:.80}.")
+    return dict(raw)
+
+
+def _check_sizes(raw: dict[str, Any]) -> None:
+    """CheckpointError for a size the config lacks or gives as something other than a positive int, or attention
+    heads that do not split the hidden size (when no head_dim says how wide a head is)."""
+    missing = [key for key in _REQUIRED_SIZES if key not in raw]
+    if missing:
+        raise CheckpointError(f"the model config has no {', '.join(missing)}; an HF config.json gives "
+                              f"{', '.join(_REQUIRED_SIZES)}.")
+    for key in _REQUIRED_SIZES + _OPTIONAL_SIZES:
+        value = raw.get(key)
+        if key in _OPTIONAL_SIZES and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"the model config's {key} must be a positive integer, got {value!r}.")
+    if not raw.get("head_dim") and raw["hidden_size"] % raw["num_attention_heads"]:
+        raise CheckpointError(f"the model config's num_attention_heads ({raw['num_attention_heads']}) does not divide "
+                              f"its hidden_size ({raw['hidden_size']}), and it gives no head_dim.")

@@ -52,16 +52,30 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
         raise CheckpointError(f"{str(folder)!r} has no config.json; expected an HF model folder "
                               f"(config.json, {SINGLE_FILE} or {SHARD_INDEX}, tokenizer files) or a GGUF "
                               f"(a .gguf file, or a folder holding one).")
-    raw = json.loads(path.read_text())
+    raw = _read_json(path)
     generation = folder / "generation_config.json"
     if generation.is_file():  # instruct checkpoints list their extra end tokens here
-        eos = json.loads(generation.read_text()).get("eos_token_id")
+        eos = _read_json(generation).get("eos_token_id")
         if eos is not None:
             extra = eos if isinstance(eos, list) else [eos]
             base = raw.get("eos_token_id")
             base = base if isinstance(base, list) else ([] if base is None else [base])
             raw = {**raw, "eos_token_id": list(dict.fromkeys(base + extra))}
-    return ModelConfig.from_hf(raw), raw
+    try:
+        return ModelConfig.from_hf(raw), raw
+    except CheckpointError as error:   # the file it came from, for the user to open
+        raise type(error)(f"{path}: {error}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict; CheckpointError naming the file if it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}); fix or replace the file.") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object of settings.")
+    return value
 
 
 def weight_files(folder: Path) -> dict[str, list[str]]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dendrite_nb import ContextOverflow, Engine
+from dendrite_nb import CheckpointError, ContextOverflow, Engine
 from dendrite_nb.model.config import ModelConfig
 from dendrite_nb.testing import write_tiny_checkpoint
 
@@ -138,3 +138,52 @@ def test_a_big_checkpoint_shows_a_progress_bar_and_a_small_one_loads_silently(ch
     logits_of(checkpoint())
     err = capfd.readouterr().err
     assert f"loading {checkpoint().name}" in err and "tensors" in err, err
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda raw: raw.pop("hidden_size"), "no hidden_size"),
+    (lambda raw: raw.update(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (lambda raw: raw.update(vocab_size="many"), "vocab_size must be a positive integer, got 'many'"),
+    (lambda raw: raw.update(num_key_value_heads=2.5), "num_key_value_heads must be a positive integer"),
+    (lambda raw: raw.update(head_dim=None, num_attention_heads=3), r"num_attention_heads \(3\) does not divide"),
+    (None, "is not valid JSON"),
+])
+def test_a_damaged_config_is_a_checkpoint_error_naming_the_file_and_field(checkpoint, tmp_path, monkeypatch,
+                                                                          edit, field):
+    """Found by a QA pass: a missing size was a bare KeyError, heads of 0 a ZeroDivisionError, a word for a size
+    transformers' validator, broken JSON a message without the file. Refused before a weight loads."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(checkpoint(), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    if edit is None:
+        (folder / "config.json").write_text(json.dumps(raw)[:-5])
+    else:
+        edit(raw)
+        (folder / "config.json").write_text(json.dumps(raw))
+    monkeypatch.setattr("dendrite_nb.engine.build.load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    for call in (Engine.check_pretrained, Engine.from_pretrained):
+        with pytest.raises(CheckpointError, match=field) as raised:
+            call(folder)
+        assert str(folder / "config.json") in str(raised.value)
+
+
+@pytest.mark.parametrize("config", ["llama", {"model_type": "llama", "hidden_size": 64}])
+def test_from_random_refuses_a_config_that_is_not_one(config):
+    with pytest.raises(CheckpointError, match="a dict|no vocab_size"):
+        Engine.from_random(config)
+    with pytest.raises(CheckpointError, match="a dict|no vocab_size"):
+        Engine.check_random(config)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"attention": "flash"}, "'flash' is not available"),
+    ({"attention": "flashinfer"}, "cannot run on cpu"),
+    ({"cuda_graphs": True}, "cuda_graphs=True, but they need a CUDA device"),
+])
+def test_options_the_engine_would_refuse_are_refused_before_the_weights_load(checkpoint, monkeypatch, options,
+                                                                              message):
+    """check_pretrained said yes to these, and from_pretrained loaded every weight before refusing them."""
+    monkeypatch.setattr("dendrite_nb.engine.build.load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    for call in (Engine.check_pretrained, Engine.from_pretrained):
+        with pytest.raises(ValueError, match=message):
+            call(checkpoint(), **options)
