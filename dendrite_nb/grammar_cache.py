@@ -86,7 +86,7 @@ class StartedGrammars:
         if compile_error:
             raise ConstraintError(f"llguidance cannot compile this {constraint.kind}: {compile_error}")
         if start_error:
-            raise ConstraintError(f"llguidance cannot start this {constraint.kind}: {start_error}")
+            raise ConstraintError(_start_failure(constraint.kind, start_error))
         return matcher.deep_copy()
 
     def _compiled(self, grammar_text: str) -> tuple[Any, str | None, str | None]:
@@ -97,3 +97,13 @@ class StartedGrammars:
 
     def clear(self) -> None:
         self._started.clear()
+
+
+def _start_failure(kind: str, start_error: str) -> str:
+    """What a user reads when a grammar compiles but cannot start. llguidance's error is one line of cause, then its
+    parser's state and the grammar (hundreds of characters a user cannot act on): the first line is kept."""
+    cause = start_error.strip().splitlines()[0] if start_error.strip() else "no reason given"
+    if cause == "NoExtensionBias":   # no token can begin any text the grammar accepts
+        return (f"this {kind} matches no text this model's tokens can write (llguidance: {cause}); check that it "
+                f"accepts at least one string.")
+    return f"llguidance cannot start this {kind}: {cause}"

@@ -93,10 +93,15 @@ def test_bad_constraints_fail_before_decoding_and_change_nothing(eng):
              ({"regex": "[a-z"}, "llguidance cannot compile this regex"),
              ({"grammar": "start: missing_rule"}, "llguidance cannot compile this grammar"),
              ({"choices": []}, "non-empty list"),
-             ({"colour": "red"}, "unknown constraint key 'colour'")]
+             ({"colour": "red"}, "unknown constraint key 'colour'"),
+             # compile, but no text can start them: one line saying so, not llguidance's parser state and grammar
+             ({"regex": r"[^\s\S]"}, "this regex matches no text"),
+             ({"json_schema": {"$ref": "#"}}, "this json_schema matches no text")]
     for spec, message in cases:
-        with pytest.raises(ConstraintError, match=message):
+        with pytest.raises(ConstraintError, match=message) as raised:
             eng.generate(["safe"], 5, SAMPLE, constraint=spec)
+        if "matches no text" in message:
+            assert "\n" not in str(raised.value) and len(str(raised.value)) < 400
         with pytest.raises(ConstraintError, match=message):
             eng.constrain("safe", spec)
         assert engine_state(eng) == before and eng.branch("safe").matcher is None
