@@ -147,6 +147,7 @@ def save(engine: SessionEngine, path: str | Path) -> Path:
         "source": engine.source,
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "block_size": engine.pool.block_size, "options": engine.options, "next_node_id": dump.next_node_id,
+        "eos_token_ids": sorted(engine.eos_token_ids),
         "device": engine.device.type,
         "num_blocks": engine.pool.num_blocks,
         "nodes": [{"id": saved.id, "parent": saved.parent, "start": saved.start, "tokens": saved.tokens,
@@ -255,6 +256,8 @@ def restore(engine_type: type[SessionEngine], path: str | Path, *,
             raise SaveFileError(f"the session holds {used:,} KV blocks, the pool has {engine.pool.num_blocks:,}; "
                                 f"restore with num_blocks >= {used:,}.")
         _rebuild(engine, manifest, tensors, used)
+        if "eos_token_ids" in manifest:   # files saved before it was kept have the model's own
+            engine.eos_token_ids = manifest["eos_token_ids"]
     except BaseException:
         engine.close()   # its weights and pool go now, not when the garbage collector finds them
         raise

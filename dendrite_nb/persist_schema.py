@@ -36,6 +36,9 @@ VERSION = 1
 FIX = "the file was edited or damaged in a way its checksum cannot catch; restore another copy of the session"
 TOP_KEYS = ("format", "version", "model", "source", "dtype", "kv_dtype", "block_size", "options", "next_node_id",
             "device", "num_blocks", "nodes", "hidden_nodes", "branches", "tensors")
+# Keys a file of this version may lack: files saved before they existed (eos_token_ids: the engine's as the session
+# left them; absent, the model's own).
+OPTIONAL_TOP_KEYS = ("eos_token_ids",)
 # The model's dimensions that the tree and the tensors are checked against before the model is built; after it is
 # built, every config field the file holds must equal the model's own (check_model_config).
 DIMS = ("vocab_size", "hidden_size", "num_layers", "num_kv_heads", "head_dim", "max_position_embeddings")
@@ -137,8 +140,12 @@ def tensor_checksums(manifest: dict[str, Any]) -> dict[str, str]:
 def check_manifest(manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """Raise SaveFileError unless every field is of its type and range and they agree with each other and with
     the tensors (whose checksums read() verified)."""
-    _keys(manifest, "(the manifest)", TOP_KEYS)
+    _keys(manifest, "(the manifest)", TOP_KEYS, OPTIONAL_TOP_KEYS)
     dims = _model(manifest["model"])
+    if "eos_token_ids" in manifest:
+        eos = _ints(manifest["eos_token_ids"], "eos_token_ids", 0, dims["vocab_size"] - 1)
+        if len(set(eos)) != len(eos):
+            _bad("eos_token_ids", "token ids listed once each", eos)
     _source(manifest["source"], dims)
     dtype = _choice(manifest["dtype"], "dtype", DTYPES)
     kv_dtype = _choice(manifest["kv_dtype"], "kv_dtype", KV_DTYPES)

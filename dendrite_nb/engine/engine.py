@@ -635,7 +635,12 @@ class Engine:
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids: Iterable[int]) -> None:
-        self._inputs.eos_token_ids = frozenset(ids)
+        """Token ids of this model's vocabulary (any iterable of them; an empty one: only max_new_tokens stops a
+        branch). save() keeps them, and restore() sets them again."""
+        if isinstance(ids, str) or ids is None:
+            raise TypeError(f"eos_token_ids takes token ids (ints), e.g. {{{min(self.eos_token_ids, default=0)}}}; "
+                            f"got {ids!r}. engine.encode(text) gives a text's ids.")
+        self._inputs.eos_token_ids = frozenset(self._inputs.tokens(ids, at_start=False))
 
     @property
     def prefill_chunk_tokens(self) -> int:

@@ -144,3 +144,17 @@ def test_an_engine_around_a_bare_model_cannot_be_saved(checkpoint, tmp_path):
     with pytest.raises(SaveFileError, match="from_pretrained or Engine.from_random"):
         bare.save(tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_end_tokens_set_on_the_engine_are_checked_and_saved(checkpoint, tmp_path):
+    """eos_token_ids took any iterable (a str became its letters) and a restore dropped what was set."""
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=32, block_size=4)
+    default = eng.eos_token_ids
+    for bad, error in [("abc", TypeError), (None, TypeError), ([10**9], ValueError), ([1.5], ValueError)]:
+        with pytest.raises(error):
+            eng.eos_token_ids = bad
+        assert eng.eos_token_ids == default
+    eng.eos_token_ids = [5, 7]
+    eng.new_branch("a", "end tokens")
+    eng.save(tmp_path / "s.dendrite")
+    assert Engine.restore(tmp_path / "s.dendrite").eos_token_ids == {5, 7}

@@ -263,6 +263,9 @@ CASES = [
     ("chat flag an int", set_(["branches", 1, "chat"], {"messages": [], "mark": 0, "generation_prompt": 1}),
      r"chat\.generation_prompt"),
     ("node no branch reaches", set_(["branches", 1, "node"], -1), r"nodes\[1\] is no branch's node and no node's parent"),
+    ("eos a word", set_(["eos_token_ids"], "eos"), r"eos_token_ids should be a list"),
+    ("eos past the vocabulary", set_(["eos_token_ids"], [10**6]), r"eos_token_ids"),
+    ("eos twice", set_(["eos_token_ids"], [2, 2]), r"eos_token_ids should be token ids listed once each"),
     # tensors
     ("kv another dtype", tensor("kv", lambda t: t.double()), r"tensor 'kv' .* float64"),
     ("kv a block short", tensor("kv", lambda t: t[:, :, :-1]), r"tensor 'kv'"),
@@ -313,9 +316,10 @@ def test_a_manifest_that_is_not_plain_json_is_refused(saved, bystander, tmp_path
 @pytest.mark.parametrize("edit", [
     None,
     delete(["branches", 1, "chat"]),   # files saved before chat() existed
+    delete(["eos_token_ids"]),   # files saved before the engine's end tokens were kept
     set_(["branches", 4, "chat"], {"messages": [["user", "Hi"]], "mark": 0, "generation_prompt": True}),
     set_(["branches", 1, "priority"], 3),
-], ids=["unedited", "no chat key", "a chat state", "an int priority"])
+], ids=["unedited", "no chat key", "no eos_token_ids", "a chat state", "an int priority"])
 def test_a_rewritten_file_that_is_still_valid_restores(saved, tmp_path, edit):
     """The control: the rewriting above is sound, and what the checks allow restores and decodes on, as the
     file restored unedited does (preempted branches resume from host memory and by recomputing)."""
