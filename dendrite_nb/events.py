@@ -50,6 +50,10 @@ class Subscription:
         if self.listener in self._listeners:
             self._listeners.remove(self.listener)
 
+    def __repr__(self) -> str:
+        name = getattr(self.listener, "__qualname__", None) or type(self.listener).__name__
+        return f"Subscription({name}, {'delivering' if self.listener in self._listeners else 'closed'})"
+
     def __enter__(self) -> Subscription:
         return self
 

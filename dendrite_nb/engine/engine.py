@@ -30,7 +30,7 @@ from ..distributed.pool import ShardedKVPool
 from ..distributed.shard import check_degree, local_heads
 from ..distributed.spec import ModelSpec
 from ..engine_calls import EngineCalls, atomic_calls, engine_call
-from ..errors import GenerationInterrupted
+from ..errors import DendriteError, GenerationInterrupted
 from ..events import Event, Listener, Subscription, TreeChanged
 from ..forward import ForwardRunner
 from ..kv import BranchTree, KVPool
@@ -44,7 +44,7 @@ from ..snapshot import block_snapshot, tree_snapshot
 from ..wording import counted
 from . import build
 from .branch_state import Branch
-from .closed import Closed
+from .closed import CLOSED, Closed
 from .conversation import plan_message, plan_messages
 from .batch import DecodeBatch
 from .decode import PENDING_TOKEN, DecodeLoop, DecodeParts, GenerateCall
@@ -822,7 +822,10 @@ class Engine:
         """Let go of the weights and free the KV pool now, even while other references to this engine remain.
         The weights are freed as soon as nothing else holds the model: another engine built around the same
         model object keeps working. A tensor-parallel engine's workers end, and its process groups and port are
-        freed. Every later call raises a clear error."""
+        freed. Every later call raises a clear error; close() itself may be called again (a re-run cell), and
+        does nothing."""
+        if self.closed:
+            return
         self._grammars.close()
         self.pool.release()
         if self._tensor_group is not None:
@@ -846,6 +849,8 @@ class Engine:
         (TreeChanged). Returns a Subscription; `close()` it, or use it as a context manager."""
         if not callable(listener):
             raise TypeError(f"a listener must be callable, got {type(listener).__name__}.")
+        if self.closed:   # it would never hear anything
+            raise DendriteError(CLOSED)
         return Subscription(self._listeners, listener)
 
     def _emit(self, event: Event) -> None:

@@ -111,3 +111,12 @@ def test_a_bad_listener_is_refused_and_changes_nothing(engine):
     with pytest.raises(TypeError, match="callable"):
         engine.subscribe("not a function")
     assert engine_state(engine) == before
+
+
+def test_a_subscription_says_what_it_delivers_to_and_whether_it_still_does(engine):
+    def on_step(event):
+        pass
+    subscription = engine.subscribe(on_step)
+    assert repr(subscription).startswith("Subscription(") and repr(subscription).endswith(".on_step, delivering)")
+    subscription.close()
+    assert repr(subscription).endswith(", closed)")

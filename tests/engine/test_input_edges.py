@@ -263,9 +263,11 @@ def test_every_call_on_a_closed_engine_says_it_was_closed(twins, tmp_path):
              "generate": lambda: first.generate(["p"], 2, GREEDY), "next_logits": lambda: first.next_logits(["p"]),
              "preempt": lambda: first.preempt("p"), "tree": first.tree, "block_table": first.block_table,
              "audit": first.audit, "branch": lambda: first.branch("p"), "save": lambda: first.save(tmp_path / "s"),
-             "model": lambda: first.model.config}
+             "model": lambda: first.model.config, "subscribe": lambda: first.subscribe(print)}
     for name, call in calls.items():
         with pytest.raises(DendriteError, match="this engine was closed"):
             call()
     assert not (tmp_path / "s").exists()
+    first.close()   # again (a re-run cell): nothing to do, nothing raised
+    assert first.closed
     second.generate([second.new_branch("b", [1, 2, 3])], 2, GREEDY)
