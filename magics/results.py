@@ -14,6 +14,7 @@ from dendrite_nb.wording import counted
 
 FORK_MARK = "⑂"       # marks a fork point in %show's plain-text output
 NEWLINE_MARK = "⏎"    # shown in place of a newline where a branch's text must fit one line
+LISTED = 20           # names a result's repr writes out before "and N more" (the object keeps them all)
 
 
 def one_line(text: str, width: int | None = None) -> str:
@@ -21,6 +22,12 @@ def one_line(text: str, width: int | None = None) -> str:
     if width is not None and len(flat) > width:
         return "…" + flat[-(width - 1):]
     return flat
+
+
+def listed(items: list[str], limit: int = LISTED) -> str:
+    """The first `limit` items, comma-separated, then how many more there are (`%fork p --n 1000` returns 1,000)."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit:,} more" if len(items) > limit else "")
 
 
 def table_html(header: list[str], rows: list[list[str]], caption: str = "") -> str:
@@ -145,7 +152,7 @@ class Branches(PrettyByRepr):
         return len(self.names)
 
     def __repr__(self) -> str:
-        rows = ", ".join(f"{name} ({counted(count, 'token')})" for name, count in zip(self.names, self.num_tokens))
+        rows = listed([f"{name} ({counted(count, 'token')})" for name, count in zip(self.names, self.num_tokens)])
         score = f"; the text's mean logprob {self.text_logprob:.3f}" if self.text_logprob is not None else ""
         return f"{self.action}: {rows}; {counted(self.free_blocks, 'KV block')} free{score}"
 
@@ -220,7 +227,7 @@ class Pruned(PrettyByRepr):
         return iter(self.names)
 
     def __repr__(self) -> str:
-        return (f"pruned {', '.join(self.names)}: freed {counted(self.freed_blocks, 'KV block')}; "
+        return (f"pruned {listed(list(self.names))}: freed {counted(self.freed_blocks, 'KV block')}; "
                 f"{self.free_blocks:,} free")
 
 

@@ -412,3 +412,12 @@ def test_gen_sets_priorities_and_decodes_a_limited_batch(ip):
         result, _ = magic(ip, "gen a b c -n 3 --max-batch 1 --ignore-eos")
     assert [len(t) for t in result.tokens] == [3, 3, 3]
     assert steps[:3] == [("c",), ("c",), ("c",)] and len(steps) == 9  # c ranks highest, one branch a step
+
+
+def test_a_result_of_many_branches_shows_twenty_names_and_keeps_them_all(ip):
+    """%fork root --n 1000 printed every child (22 KB); %prune root/* as much again."""
+    forked, _ = magic(ip, "fork root --n 60")
+    assert len(list(forked)) == 60 and repr(forked).count("root/") == 20 and "and 40 more" in repr(forked)
+    pruned, _ = magic(ip, "prune root/*")
+    assert len(list(pruned)) == 60 and "and 40 more" in repr(pruned)
+    assert not [name for name in current_engine().branches if name.startswith("root/")]
