@@ -35,7 +35,7 @@ class OutOfBlocks(DendriteError, MemoryError):
     def __init__(self, needed: int, free: int, what: str):
         self.needed, self.free = needed, free
         super().__init__(
-            f"OutOfBlocks: {what} needs {needed:,} free KV blocks, the pool has {free:,}. "
+            f"{what} needs {needed:,} free KV blocks, the pool has {free:,}. "
             f"Prune branches you no longer need, or load the engine with a larger num_blocks."
         )
 

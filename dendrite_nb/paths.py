@@ -15,7 +15,7 @@ def user_path(path: str | Path) -> Path:
     try:
         return Path(path).expanduser()
     except RuntimeError as error:
-        raise ValueError(f"cannot expand the path {str(path)!r}: {error}; give a full path.") from None
+        raise ValueError(f"cannot expand the path {str(path)!r}: {str(error).rstrip('.')}; give a full path.") from None
 
 
 def default_cache_dir() -> Path:

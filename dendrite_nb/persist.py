@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from .chat import ChatState
 from .config import EngineConfig, check_pool_options, parse_device
-from .errors import ConstraintError, DendriteError, SaveFileError
+from .errors import CheckpointError, ConstraintError, DendriteError, SaveFileError
 from .kv import BranchTree, KVPool, SavedNode, TreeDump
 from .kv.tree import RECOMPUTE
 from .paths import user_path
@@ -288,7 +288,7 @@ def _check_build(engine_type: type[SessionEngine], manifest: dict[str, Any], ove
             engine_type.check_random(source["hf_config"], device=device, dtype=manifest["dtype"],
                                      weight_seed=source["weight_seed"], weights=weights, **options)
     except (DendriteError, ValueError, TypeError, LookupError, RuntimeError, OSError) as error:
-        raise _cannot_rebuild(error, checkpoint) from error
+        raise _cannot_rebuild(error, checkpoint, overrides) from error
 
 
 def _checked(path: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor],
@@ -331,9 +331,14 @@ def _build_arguments(manifest: dict[str, Any], overrides: dict[str, Any],
     return options, checkpoint, manifest["source"].get("weights")   # the quantized format the session ran, or None
 
 
-def _cannot_rebuild(error: BaseException, checkpoint: str | None) -> SaveFileError:
-    moved = " If the model has moved, restore with checkpoint= pointing at it." if checkpoint is not None else ""
-    return SaveFileError(f"cannot rebuild the engine this session was saved from: {error}{moved}")
+def _cannot_rebuild(error: BaseException, checkpoint: str | None, overrides: dict[str, Any]) -> SaveFileError:
+    """The error of building the session's engine, saying which arguments it was built with: a bad override is
+    the caller's, not the file's."""
+    given = {key: value for key, value in overrides.items() if key != "checkpoint"}
+    with_overrides = f" with the overrides {given}" if given else ""
+    moved = (" If the model has moved, restore with checkpoint= pointing at it."
+             if checkpoint is not None and isinstance(error, (CheckpointError, OSError)) else "")
+    return SaveFileError(f"cannot rebuild the engine this session was saved from{with_overrides}: {error}{moved}")
 
 
 def _build(engine_type: type[SessionEngine], manifest: dict[str, Any], overrides: dict[str, Any],
@@ -349,7 +354,7 @@ def _build(engine_type: type[SessionEngine], manifest: dict[str, Any], overrides
         return engine_type.from_random(source["hf_config"], device=device, dtype=manifest["dtype"],
                                        weight_seed=source["weight_seed"], weights=weights, **options)
     except (DendriteError, ValueError, TypeError, LookupError, RuntimeError, OSError, MemoryError) as error:
-        raise _cannot_rebuild(error, checkpoint) from error
+        raise _cannot_rebuild(error, checkpoint, overrides) from error
 
 
 def _rebuild(engine: SessionEngine, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], used: int) -> None:

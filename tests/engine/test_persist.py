@@ -158,3 +158,12 @@ def test_end_tokens_set_on_the_engine_are_checked_and_saved(checkpoint, tmp_path
     eng.new_branch("a", "end tokens")
     eng.save(tmp_path / "s.dendrite")
     assert Engine.restore(tmp_path / "s.dendrite").eos_token_ids == {5, 7}
+
+
+def test_a_bad_override_is_named_as_the_callers_not_blamed_on_the_file(checkpoint, tmp_path):
+    eng = Engine.from_pretrained(checkpoint(), num_blocks=32, block_size=4)
+    eng.new_branch("a", "overrides")
+    eng.save(tmp_path / "s.dendrite")
+    with pytest.raises(SaveFileError, match=r"with the overrides \{'attention': 'flash'\}: attention backend 'flash' "
+                                            r"is not available; choose one of [^.]*\.$"):
+        Engine.restore(tmp_path / "s.dendrite", attention="flash")
