@@ -100,7 +100,11 @@ class DecodeBatch:
     @engine_call
     def leave(self, rows: Sequence[int]) -> None:
         """Stop rows before they end (their caller gave up): they leave at once, keeping the tokens they decoded;
-        their branches stay. Rows that ended already are ignored."""
+        their branches stay. Rows that ended already are ignored; a row this batch never had is refused."""
+        if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+            raise TypeError(f"leave takes a list of rows (ints join() returned), got {rows!r}.")
+        for row in rows:
+            self._check_row(row)
         leaving = set(rows)
         self._loop.pending = [row for row in self._loop.pending if row not in leaving]
 
@@ -116,11 +120,19 @@ class DecodeBatch:
 
     def output(self, row: int) -> list[int]:
         """The tokens a row has decoded so far in this batch."""
-        return list(self._loop.outputs[row])
+        return list(self._loop.outputs[self._check_row(row)])
 
     def branch(self, row: int) -> Branch | None:
         """The branch a row decodes (None once the row has ended and been let go)."""
-        return self._loop.branches[row]
+        return self._loop.branches[self._check_row(row)]
+
+    def _check_row(self, row: Any) -> int:
+        """row, if join() gave it; else a ValueError saying which rows there are."""
+        count = len(self._loop.branches)
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < count:
+            rows = f"0 to {count - 1}" if count else "none yet (join() adds branches and returns their rows)"
+            raise ValueError(f"row {row!r} is not a row of this batch; its rows are {rows}.")
+        return row
 
     def __repr__(self) -> str:
         return f"DecodeBatch({self.pending} running, {self._loop.steps_done} steps)"

@@ -150,3 +150,19 @@ def test_reseed_makes_a_branch_sample_as_its_seed_says(eng):
     assert first == second   # different names, one seed
     refused(eng, lambda: eng.reseed(a, -1), ValueError, "seed")
     refused(eng, lambda: eng.reseed("nope", 1), DendriteError, "no branch named")
+
+
+def test_a_row_the_batch_never_had_is_refused_by_name(eng):
+    """output(99) and branch(99) raised a bare IndexError; leave([99]) and leave("a") were taken silently."""
+    batch = eng.batch()
+    with pytest.raises(ValueError, match="none yet"):
+        batch.output(0)
+    rows = batch.join([eng.new_branch("rows", [1, 2, 3])], 2, SamplingParams(temperature=0.0))
+    batch.step()
+    for call in (lambda: batch.output(99), lambda: batch.branch(-1), lambda: batch.leave([0, 99]),
+                 lambda: batch.output(True)):
+        with pytest.raises(ValueError, match=r"is not a row of this batch; its rows are 0 to 0"):
+            call()
+    with pytest.raises(TypeError, match="list of rows"):
+        batch.leave("a")
+    assert batch.pending_rows == frozenset(rows) and len(batch.output(0)) == 1
