@@ -35,7 +35,8 @@ class OutOfBlocks(DendriteError, MemoryError):
     def __init__(self, needed: int, free: int, what: str):
         self.needed, self.free = needed, free
         super().__init__(
-            f"{what} needs {needed:,} free KV blocks, the pool has {free:,}. "
+            # The class's name leads the message: a magic shows the message alone, as a one-line UsageError.
+            f"OutOfBlocks: {what} needs {needed:,} free KV blocks, the pool has {free:,}. "
             f"Prune branches you no longer need, or load the engine with a larger num_blocks."
         )
 
