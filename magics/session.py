@@ -27,6 +27,7 @@ from dendrite_nb.widgets import BlockTableView, ThroughputView, TreeView
 
 from .arguments import user_errors
 from .rerun import CellWrite
+from .results import listed
 from .serving import KernelServer
 
 GLOB_CHARACTERS = "*?["
@@ -269,8 +270,7 @@ def check_new_name(name: str) -> None:
 def describe_names(names: list[str], limit: int = 12) -> str:
     if not names:
         return "none yet (create one with %%branch NAME)"
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    return listed(names, limit)
 
 
 def source_label(path: str | Path) -> str:

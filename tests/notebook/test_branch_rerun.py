@@ -211,6 +211,11 @@ def test_a_chat_fork_cell_run_again_makes_its_fork_again(shell, checkpoint, tmp_
     with pytest.raises(UsageError, match="role"):
         magic(shell, "branch chat/de --from chat --chat --role wizard", "And a sea?")
     assert engine_state(engine) == before
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        interrupt_forward_call(patch, engine, 1)   # Ctrl-C in the new fork's prefill, after the old fork was pruned
+        magic(shell, "branch chat/de --from chat --chat", "And an ocean?")
+    assert engine_state(engine) == before and engine.branch("chat/de").chat.messages[-1] == ("user", "And a sea?")
+    engine.audit()
     magic(shell, "branch chat/de --from chat --chat --gen 2 -t 0 --ignore-eos", "And a sea?")
     messages = engine.branch("chat/de").chat.messages
     assert [m for m in messages if m[0] == "user"] == [("user", "Name a river."), ("user", "And a sea?")]   # once
